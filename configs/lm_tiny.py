@@ -1,0 +1,48 @@
+"""Byte-level decoder-only Transformer on the Python standard library's own source.
+
+Run:      jaxkit train lm_tiny   (on a CPU-only machine: 8 simulated devices by default)
+Hardware: any; on 2 CPU cores the 300 optimizer steps take about 3 minutes.
+Expect:   eval loss near 1.6 nats/byte against a unigram entropy near 3.3 nats/byte.
+
+The corpus is the stdlib's .py files concatenated in sorted path order: every machine has
+it without a download (its exact bytes follow the Python version).
+"""
+
+import ml_collections
+
+from jaxkit.config import base_config
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = base_config()
+
+    c.model = ml_collections.ConfigDict()
+    c.model.kind = "transformer"  # transformer | mlp
+    c.model.vocab_size = 256  # bytes
+    c.model.d_model = 128  # residual width; divisible by mesh.fsdp
+    c.model.num_layers = 2
+    c.model.num_heads = 4  # divisible by mesh.tensor
+    c.model.mlp_dim = 512  # hidden width of each MLP block; divisible by mesh.tensor
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "text"  # text | synthetic
+    c.data.path = ml_collections.config_dict.placeholder(str)  # text file; null = stdlib
+    c.data.seq_len = 128  # bytes per row
+    c.data.max_bytes = 4_000_000  # corpus bytes read, train and held-out together
+    c.data.eval_fraction = 0.05  # held-out tail of the corpus
+    c.data.num_examples = 4096  # rows of synthetic data (source=synthetic only)
+
+    c.batch.global_batch_size = 64  # fixed: the same updates on any number of devices
+    c.batch.per_device_batch_size = 4  # grad_accum_steps is derived: 2 on 8 devices
+
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.reference_batch_size = 64
+    c.optimizer.warmup_steps = 30
+    c.optimizer.weight_decay = 0.01
+    c.optimizer.b2 = 0.98  # forgets faster than 0.999: short runs, noisy byte gradients
+    c.optimizer.grad_clip_norm = 1.0
+
+    c.train.steps = 300
+    c.train.log_every = 25
+    c.train.eval_every = 100
+    return c

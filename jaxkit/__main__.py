@@ -1,0 +1,5 @@
+import sys
+
+from jaxkit.cli import main
+
+sys.exit(main())

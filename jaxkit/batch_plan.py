@@ -1,0 +1,265 @@
+"""The batch relation as an object.
+
+    global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps
+    tokens_per_step   = global_batch_size × seq_len
+
+The user gives any two of (global, per-device, accumulation); the third is derived
+against the live data-parallel size. Nothing is rounded: an inconsistent request is a
+`BatchPlanError` that shows the formula, the numbers, and the nearest valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+class BatchPlanError(ValueError):
+    """A batch configuration that cannot be honoured exactly."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    mesh_shape: dict[str, int]
+    data_parallel_size: int  # data × fsdp: the mesh axes the batch is split over
+    per_device_batch_size: int  # rows per data-parallel rank per micro-step
+    grad_accum_steps: int  # micro-steps per optimizer step
+    global_batch_size: int  # rows per optimizer step
+    seq_len: int | None  # tokens per row; None for non-sequence data
+    base_learning_rate: float
+    lr_scaling: str
+    reference_batch_size: int | None
+    learning_rate: float  # peak learning rate after scaling
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Global rows per micro-step."""
+        return self.data_parallel_size * self.per_device_batch_size
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        return None if self.seq_len is None else self.global_batch_size * self.seq_len
+
+    def to_json(self) -> dict:
+        return {
+            "mesh_shape": dict(self.mesh_shape),
+            "data_parallel_size": self.data_parallel_size,
+            "per_device_batch_size": self.per_device_batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "seq_len": self.seq_len,
+            "tokens_per_step": self.tokens_per_step,
+            "learning_rate": self.learning_rate,
+            "base_learning_rate": self.base_learning_rate,
+            "lr_scaling": self.lr_scaling,
+            "reference_batch_size": self.reference_batch_size,
+        }
+
+    def table(self) -> str:
+        """The plan as the seed articles tabulate it: item | value | meaning."""
+        mesh = " × ".join(f"{name}={size}" for name, size in self.mesh_shape.items())
+        dp, b, k = self.data_parallel_size, self.per_device_batch_size, self.grad_accum_steps
+        rows = [
+            ("devices (data × fsdp)", dp, f"data-parallel ranks; mesh {mesh}"),
+            ("per_device_batch_size", b, "rows per rank per micro-step (memory-bound)"),
+            ("grad_accum_steps", k, "micro-steps accumulated per optimizer step"),
+            ("global_batch_size", self.global_batch_size, f"= {dp} × {b} × {k} rows per update"),
+            ("micro_batch_size", self.micro_batch_size, f"= {dp} × {b} rows per micro-step"),
+        ]
+        if self.seq_len is not None:
+            rows += [
+                ("seq_len", self.seq_len, "tokens per row"),
+                (
+                    "tokens_per_step",
+                    f"{self.tokens_per_step:,}",
+                    f"= {self.global_batch_size} × {self.seq_len}",
+                ),
+            ]
+        if self.lr_scaling == "none":
+            lr_note = "no batch scaling"
+        else:
+            ratio = f"{self.global_batch_size}/{self.reference_batch_size}"
+            factor = ratio if self.lr_scaling == "linear" else f"sqrt({ratio})"
+            lr_note = f"= {self.base_learning_rate:g} × {factor} ({self.lr_scaling})"
+        rows.append(("learning_rate", f"{self.learning_rate:.6g}", lr_note))
+        return _format_table(("item", "value", "meaning"), rows)
+
+
+def _format_table(header, rows) -> str:
+    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in row) for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def splits_table(plans: list[BatchPlan]) -> str:
+    """Several plans side by side, one row each, as in the seeds' comparison table."""
+    header = ("devices", "per_device_batch_size", "grad_accum_steps", "global_batch_size")
+    rows = [
+        (p.data_parallel_size, p.per_device_batch_size, p.grad_accum_steps, p.global_batch_size)
+        for p in plans
+    ]
+    return _format_table(header, rows)
+
+
+def scaled_learning_rate(
+    base_learning_rate: float,
+    global_batch_size: int,
+    lr_scaling: str,
+    reference_batch_size: int | None,
+) -> float:
+    """Peak learning rate for `global_batch_size` under a scaling rule."""
+    if lr_scaling not in LR_SCALINGS:
+        raise BatchPlanError(
+            f"optimizer.lr_scaling={lr_scaling!r} is not one of {', '.join(LR_SCALINGS)}"
+        )
+    if lr_scaling == "none":
+        return base_learning_rate
+    if reference_batch_size is None or reference_batch_size <= 0:
+        raise BatchPlanError(
+            f"optimizer.lr_scaling={lr_scaling!r} scales the learning rate by "
+            "global_batch_size / reference_batch_size, so optimizer.reference_batch_size must "
+            f"be a positive integer (got {reference_batch_size!r})"
+        )
+    ratio = global_batch_size / reference_batch_size
+    return base_learning_rate * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest_multiples(value: int, unit: int, count: int = 2) -> list[int]:
+    """Multiples of `unit` around `value`: up to `count` below and `count` above."""
+    below = (value // unit) * unit
+    if below == value:
+        below -= unit
+    lows = [below - i * unit for i in range(count) if below - i * unit > 0]
+    above = (value // unit + 1) * unit
+    highs = [above + i * unit for i in range(count)]
+    return sorted(lows) + highs
+
+
+def _join(values) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _check_positive(name: str, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BatchPlanError(f"batch.{name} must be a positive integer, got {value!r}")
+    if value <= 0:
+        raise BatchPlanError(
+            f"batch.{name}={value} must be a positive integer "
+            "(global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps)"
+        )
+
+
+def make_batch_plan(
+    *,
+    mesh_shape: dict[str, int],
+    global_batch_size: int | None,
+    per_device_batch_size: int | None,
+    grad_accum_steps: int | None,
+    seq_len: int | None = None,
+    learning_rate: float = 1e-3,
+    lr_scaling: str = "none",
+    reference_batch_size: int | None = None,
+) -> BatchPlan:
+    """Derives the missing one of (global, per-device, accumulation) for a mesh.
+
+    `data_parallel_size` is mesh_shape["data"] × mesh_shape["fsdp"]; the tensor axis holds
+    one copy of each row and does not multiply the batch.
+    """
+    dp = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
+    g, b, k = global_batch_size, per_device_batch_size, grad_accum_steps
+    for name, value in (
+        ("global_batch_size", g),
+        ("per_device_batch_size", b),
+        ("grad_accum_steps", k),
+    ):
+        _check_positive(name, value)
+    given = sum(v is not None for v in (g, b, k))
+    formula = "global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps"
+    if given < 2:
+        raise BatchPlanError(
+            f"give two of batch.global_batch_size, batch.per_device_batch_size and "
+            f"batch.grad_accum_steps (got global={g}, per_device={b}, accum={k}); "
+            f"the third is derived from {formula} with data_parallel_size={dp}"
+        )
+
+    if g is None:
+        g = dp * b * k
+    elif b is None:
+        if g % (dp * k):
+            valid_k = [d for d in _divisors(g) if g % (dp * d) == 0]
+            raise BatchPlanError(
+                f"{formula}: {g} = {dp} × per_device_batch_size × {k} has no integer solution "
+                f"({g} / ({dp} × {k}) = {g / (dp * k):.4g}). "
+                f"Valid global_batch_size near {g} for {dp} × b × {k}: "
+                f"{_join(_nearest_multiples(g, dp * k))}"
+                + (
+                    f"; or keep {g} with grad_accum_steps in {_join(valid_k)}"
+                    if valid_k
+                    else f"; {g} is not divisible by data_parallel_size={dp} at all"
+                )
+            )
+        b = g // (dp * k)
+    elif k is None:
+        if g % (dp * b):
+            valid_b = [d for d in _divisors(g) if g % (dp * d) == 0]
+            raise BatchPlanError(
+                f"{formula}: {g} = {dp} × {b} × grad_accum_steps has no integer solution "
+                f"({g} / ({dp} × {b}) = {g / (dp * b):.4g}). "
+                f"Valid global_batch_size near {g} for {dp} × {b} × k: "
+                f"{_join(_nearest_multiples(g, dp * b))}"
+                + (
+                    f"; or keep {g} with per_device_batch_size in {_join(valid_b)}"
+                    if valid_b
+                    else f"; {g} is not divisible by data_parallel_size={dp} at all"
+                )
+            )
+        k = g // (dp * b)
+    elif g != dp * b * k:
+        raise BatchPlanError(
+            f"{formula}: {dp} × {b} × {k} = {dp * b * k}, not the global_batch_size={g} given. "
+            "Give only two of the three (set the third to null), or make them agree: "
+            f"global_batch_size={dp * b * k}, or per_device_batch_size={g / (dp * k):.4g}, "
+            f"or grad_accum_steps={g / (dp * b):.4g}"
+        )
+
+    if seq_len is not None and (isinstance(seq_len, bool) or seq_len <= 0):
+        raise BatchPlanError(f"data.seq_len must be a positive integer, got {seq_len!r}")
+    lr = scaled_learning_rate(learning_rate, g, lr_scaling, reference_batch_size)
+    return BatchPlan(
+        mesh_shape=dict(mesh_shape),
+        data_parallel_size=dp,
+        per_device_batch_size=b,
+        grad_accum_steps=k,
+        global_batch_size=g,
+        seq_len=seq_len,
+        base_learning_rate=learning_rate,
+        lr_scaling=lr_scaling,
+        reference_batch_size=reference_batch_size,
+        learning_rate=lr,
+    )
+
+
+def plan_from_config(config, mesh_shape: dict[str, int]) -> BatchPlan:
+    """The batch plan a config asks for on a mesh of the given shape."""
+    b, o = config.batch, config.optimizer
+    return make_batch_plan(
+        mesh_shape=mesh_shape,
+        global_batch_size=b.global_batch_size,
+        per_device_batch_size=b.per_device_batch_size,
+        grad_accum_steps=b.grad_accum_steps,
+        seq_len=config.data.get("seq_len"),
+        learning_rate=o.learning_rate,
+        lr_scaling=o.lr_scaling,
+        reference_batch_size=o.reference_batch_size,
+    )

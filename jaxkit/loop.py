@@ -1,0 +1,276 @@
+"""The training loop: data in, micro-steps dispatched, metrics out.
+
+The loop stays one micro-step ahead of the devices: it dispatches micro-step n, then
+fetches micro-step n−1's metrics. Unbounded dispatch deadlocks simulated CPU devices, and
+that fetch is where non-finite losses are caught.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import tqdm
+
+from jaxkit import data as data_lib
+from jaxkit import mesh as mesh_lib
+from jaxkit.batch_plan import BatchPlan, plan_from_config
+from jaxkit.config import config_to_json
+from jaxkit.metrics import RunDir
+from jaxkit.train_step import Setup, TrainState, build
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many non-finite micro-batches in a row."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    plan: BatchPlan
+    state: TrainState
+    records: list[dict]  # every train and eval record, as written to metrics.jsonl
+    summary: dict
+
+
+def evaluate(setup: Setup, params, source, plan: BatchPlan, num_batches: int) -> dict:
+    """Mean loss and accuracy over `num_batches` held-out micro-batches (0 = all)."""
+    fetched, pending = [], None
+    for batch in data_lib.eval_micro_batches(source, plan, num_batches, setup.batch_sharding):
+        result = setup.eval_step(params, batch)
+        if pending is not None:  # stay one call ahead, as the train loop does
+            fetched.append(jax.device_get(pending))
+        pending = result
+    fetched.append(jax.device_get(pending))
+    return {
+        "eval_loss": float(np.mean([r["loss"] for r in fetched])),
+        "eval_accuracy": float(np.mean([r["accuracy"] for r in fetched])),
+    }
+
+
+class _StepTracker:
+    """Host-side bookkeeping for fetched micro-steps: losses, timing, non-finite streaks."""
+
+    def __init__(self, config, plan: BatchPlan, setup: Setup):
+        self.plan, self.setup = plan, setup
+        self.log_every = config.train.log_every
+        self.max_nonfinite = config.train.max_nonfinite_in_row
+        self.losses: list[float] = []
+        self.window_times: list[float] = []
+        self.all_times: list[float] = []
+        self.nonfinite_in_row = 0
+        self.skipped = 0
+        self.first_step_s: float | None = None
+        self.last_mark = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        self.last_mark = time.perf_counter()
+
+    def micro_step_done(self, step: int, micro: int, metrics) -> dict | None:
+        """Takes a fetched micro-step; returns the step's record when it ends a log window."""
+        m = jax.device_get(metrics)
+        self.losses.append(float(m["loss"]))
+        if bool(m["finite"]):
+            self.nonfinite_in_row = 0
+        else:
+            self.skipped += 1
+            self.nonfinite_in_row += 1
+            if self.nonfinite_in_row >= self.max_nonfinite:
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_in_row} non-finite micro-batches in a row (step {step}, "
+                    f"micro-step {micro}); last loss {float(m['loss'])}. Lower "
+                    "optimizer.learning_rate or set optimizer.grad_clip_norm; "
+                    "train.max_nonfinite_in_row sets the limit"
+                )
+        if micro < self.plan.grad_accum_steps - 1:
+            return None
+        now = time.perf_counter()
+        elapsed, self.last_mark = now - self.last_mark, now
+        if self.first_step_s is None:
+            self.first_step_s = elapsed  # includes compilation: kept out of throughput
+        else:
+            self.window_times.append(elapsed)
+            self.all_times.append(elapsed)
+        done = step + 1
+        record = self._record(done, float(m["grad_norm"]))
+        self.losses = []
+        return record
+
+    def _record(self, done: int, grad_norm: float) -> dict:
+        plan = self.plan
+        step_time = (
+            statistics.mean(self.window_times) if self.window_times else self.first_step_s
+        )
+        record = {
+            "step": done,
+            "micro_step": done * plan.grad_accum_steps,
+            "loss": float(np.mean(self.losses)),  # mean over the global batch
+            "learning_rate": float(self.setup.schedule(done - 1)),
+            "grad_norm": grad_norm,
+            "examples_seen": done * plan.global_batch_size,
+            "step_time_s": step_time,
+            "examples_per_s": plan.global_batch_size / step_time,
+            "skipped_micro_batches": self.skipped,
+        }
+        if plan.seq_len is not None:
+            record["tokens_seen"] = done * plan.tokens_per_step
+            record["tokens_per_s"] = plan.tokens_per_step / step_time
+        return record
+
+    def close_window(self) -> None:
+        self.window_times = []
+
+
+def train(
+    config: ml_collections.ConfigDict,
+    workdir=None,
+    *,
+    devices=None,
+    progress: bool = True,
+    echo=print,
+) -> RunResult:
+    """Trains `config` on a mesh of `devices` (default: all) and writes to `workdir`."""
+    mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
+    plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
+    train_source, eval_source = data_lib.make_sources(config)
+    setup = build(config, plan, mesh)
+    run_dir = RunDir(workdir) if workdir is not None else None
+    if run_dir:
+        run_dir.write_json("config.json", config_to_json(config))
+        run_dir.write_json("plan.json", plan.to_json())
+    echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
+    echo(plan.table())
+
+    t, seed = config.train, config.train.seed
+    K = plan.grad_accum_steps
+    records: list[dict] = []
+
+    def emit(record: dict) -> None:
+        records.append(record)
+        if run_dir:
+            run_dir.log(record)
+        bar.write(_format_record(record))
+
+    start = time.perf_counter()
+    state = setup.init(jax.random.key(seed))
+    tracker = _StepTracker(config, plan, setup)
+    bar = tqdm.tqdm(
+        total=t.steps, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True
+    )
+    pending = None  # (step, micro, metrics) dispatched but not yet fetched
+    try:
+        for step in range(t.steps):
+            for micro in range(K):
+                batch = data_lib.load_micro_batch(
+                    train_source, step, micro, plan, seed, setup.batch_sharding
+                )
+                state, metrics = setup.step(state, batch)
+                if pending is not None:
+                    _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
+                pending = (step, micro, metrics)
+            done = step + 1
+            eval_due = done == t.steps or (t.eval_every and done % t.eval_every == 0)
+            if eval_due:  # evaluate these params before the next step changes them
+                _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
+                pending = None
+                result = evaluate(setup, state.params, eval_source, plan, t.eval_batches)
+                emit(_eval_record(done, plan, result))
+                tracker.restart_clock()
+    finally:
+        bar.close()
+        if run_dir:
+            run_dir.close()
+    summary = _summary(config, plan, records, tracker, eval_source, time.perf_counter() - start)
+    if run_dir:
+        run_dir.write_json("summary.json", summary)
+    echo(format_summary(summary))
+    return RunResult(plan=plan, state=state, records=records, summary=summary)
+
+
+def _finish(tracker, bar, emit, step, micro, metrics, log_every, steps) -> None:
+    record = tracker.micro_step_done(step, micro, metrics)
+    if record is None:
+        return
+    bar.update(1)
+    bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+    if record["step"] % log_every == 0 or record["step"] == steps:
+        emit(record)
+        tracker.close_window()
+
+
+def _eval_record(done: int, plan: BatchPlan, result: dict) -> dict:
+    record = {"step": done, "micro_step": done * plan.grad_accum_steps, **result}
+    record["examples_seen"] = done * plan.global_batch_size
+    if plan.seq_len is not None:
+        record["tokens_seen"] = done * plan.tokens_per_step
+    return record
+
+
+def _format_record(record: dict) -> str:
+    if "eval_loss" in record:
+        return (
+            f"step {record['step']:>6}  eval_loss {record['eval_loss']:.4f}  "
+            f"eval_accuracy {record['eval_accuracy']:.3f}"
+        )
+    rate = (
+        f"{record['tokens_per_s']:,.0f} tokens/s"
+        if "tokens_per_s" in record
+        else f"{record['examples_per_s']:,.0f} examples/s"
+    )
+    return (
+        f"step {record['step']:>6}  loss {record['loss']:.4f}  lr {record['learning_rate']:.3g}  "
+        f"grad_norm {record['grad_norm']:.3f}  {record['step_time_s'] * 1e3:.1f} ms/step  {rate}"
+    )
+
+
+def _summary(config, plan, records, tracker, eval_source, wall_s) -> dict:
+    train_records = [r for r in records if "loss" in r]
+    eval_records = [r for r in records if "eval_loss" in r]
+    step_time = statistics.median(tracker.all_times) if tracker.all_times else None
+    summary = {
+        "config": config.get("name"),
+        "steps": config.train.steps,
+        "final_loss": train_records[-1]["loss"] if train_records else None,
+        "eval_loss": eval_records[-1]["eval_loss"] if eval_records else None,
+        "eval_accuracy": eval_records[-1]["eval_accuracy"] if eval_records else None,
+        "median_step_time_s": step_time,
+        "examples_per_s": plan.global_batch_size / step_time if step_time else None,
+        "first_step_s": tracker.first_step_s,
+        "skipped_micro_batches": tracker.skipped,
+        "wall_time_s": wall_s,
+    }
+    if plan.seq_len is not None and step_time:
+        summary["tokens_per_s"] = plan.tokens_per_step / step_time
+    if isinstance(eval_source, data_lib.TokenWindows):
+        summary["unigram_entropy"] = eval_source.unigram_entropy()
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"done: {s['steps']} optimizer steps in {s['wall_time_s']:.1f} s"]
+    if s["median_step_time_s"]:
+        rate = f"{s['examples_per_s']:,.1f} examples/s"
+        if "tokens_per_s" in s:
+            rate += f", {s['tokens_per_s']:,.0f} tokens/s"
+        lines.append(
+            f"  median step {s['median_step_time_s'] * 1e3:.1f} ms ({rate}); "
+            f"first step incl. compile {s['first_step_s']:.1f} s"
+        )
+    if s["eval_loss"] is not None:
+        if "unigram_entropy" in s:
+            h = s["unigram_entropy"]
+            lines.append(
+                f"  eval loss {s['eval_loss']:.3f} nats/byte vs unigram entropy {h:.3f} "
+                f"nats/byte of the held-out bytes ({s['eval_loss'] / h:.0%} of it)"
+            )
+        else:
+            lines.append(
+                f"  eval loss {s['eval_loss']:.4f}, eval accuracy {s['eval_accuracy']:.1%}"
+            )
+    if s["skipped_micro_batches"]:
+        lines.append(f"  skipped {s['skipped_micro_batches']} non-finite micro-batches")
+    return "\n".join(lines)

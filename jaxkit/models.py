@@ -1,0 +1,131 @@
+"""Models in flax NNX whose parameters carry their partitioning (see mesh.RULES).
+
+Shape legend: B batch rows, L sequence length, D d_model, H heads, K head dim,
+F MLP hidden width, V vocabulary, C classes, I input features.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from jaxkit.mesh import RULES
+
+
+def _linear(d_in: int, d_out: int, kernel_role: str, bias_role: str, rngs: nnx.Rngs):
+    return nnx.Linear(
+        d_in,
+        d_out,
+        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), RULES[kernel_role]),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), RULES[bias_role]),
+        rngs=rngs,
+    )
+
+
+def _layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(
+        d,
+        scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), RULES["vector"]),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), RULES["vector"]),
+        rngs=rngs,
+    )
+
+
+class MLPClassifier(nnx.Module):
+    def __init__(self, num_features, hidden_size, num_layers, num_classes, *, rngs: nnx.Rngs):
+        widths = [num_features] + [hidden_size] * num_layers
+        # Alternate in/out roles so consecutive kernels shard compatibly on the tensor axis.
+        roles = [("in_proj", "hidden_bias"), ("out_proj", "vector")]
+        self.hidden = nnx.List(
+            [
+                _linear(d_in, d_out, *roles[i % 2], rngs=rngs)
+                for i, (d_in, d_out) in enumerate(zip(widths[:-1], widths[1:]))
+            ]
+        )
+        self.head = _linear(hidden_size, num_classes, "logits", "vector", rngs=rngs)
+
+    def __call__(self, x_BxI):
+        h = x_BxI
+        for layer in self.hidden:
+            h = jax.nn.relu(layer(h))
+        return self.head(h)  # logits_BxC
+
+
+class Block(nnx.Module):
+    """Pre-norm Transformer block: causal self-attention, then a GELU MLP."""
+
+    def __init__(self, d_model, num_heads, mlp_dim, *, rngs: nnx.Rngs):
+        self.num_heads = num_heads
+        self.ln_attn = _layer_norm(d_model, rngs)
+        self.query = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs)
+        self.key = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs)
+        self.value = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs)
+        self.attn_out = _linear(d_model, d_model, "out_proj", "vector", rngs)
+        self.ln_mlp = _layer_norm(d_model, rngs)
+        self.mlp_in = _linear(d_model, mlp_dim, "in_proj", "hidden_bias", rngs)
+        self.mlp_out = _linear(mlp_dim, d_model, "out_proj", "vector", rngs)
+
+    def __call__(self, x_BxLxD):
+        B, L, D = x_BxLxD.shape
+        H = self.num_heads
+        h_BxLxD = self.ln_attn(x_BxLxD)
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
+            proj(h_BxLxD).reshape(B, L, H, D // H) for proj in (self.query, self.key, self.value)
+        )
+        a_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+        x_BxLxD = x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, D))
+        h_BxLxF = jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD)))
+        return x_BxLxD + self.mlp_out(h_BxLxF)
+
+
+class TransformerLM(nnx.Module):
+    """Decoder-only byte LM with learned positions."""
+
+    def __init__(self, vocab_size, seq_len, d_model, num_layers, num_heads, mlp_dim, *, rngs):
+        if d_model % num_heads:
+            raise ValueError(f"model.d_model={d_model} is not divisible by num_heads={num_heads}")
+        embed_init = nnx.initializers.normal(stddev=0.02)
+        self.embed = nnx.Embed(
+            vocab_size,
+            d_model,
+            embedding_init=nnx.with_partitioning(embed_init, RULES["embed"]),
+            rngs=rngs,
+        )
+        self.pos_embed = nnx.Param(
+            nnx.with_partitioning(embed_init, RULES["pos_embed"])(
+                rngs.params(), (seq_len, d_model)
+            )
+        )
+        self.blocks = nnx.List(
+            [Block(d_model, num_heads, mlp_dim, rngs=rngs) for _ in range(num_layers)]
+        )
+        self.ln_final = _layer_norm(d_model, rngs)
+        self.head = _linear(d_model, vocab_size, "logits", "vector", rngs)
+
+    def __call__(self, tokens_BxL):
+        L = tokens_BxL.shape[1]
+        x_BxLxD = self.embed(tokens_BxL) + self.pos_embed[:L]
+        for block in self.blocks:
+            x_BxLxD = block(x_BxLxD)
+        return self.head(self.ln_final(x_BxLxD))  # logits_BxLxV
+
+
+def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
+    m, d = config.model, config.data
+    if m.kind == "transformer":
+        return TransformerLM(
+            m.vocab_size, d.seq_len, m.d_model, m.num_layers, m.num_heads, m.mlp_dim, rngs=rngs
+        )
+    if m.kind == "mlp":
+        return MLPClassifier(d.num_features, m.hidden_size, m.num_layers, m.num_classes, rngs=rngs)
+    raise ValueError(f"model.kind={m.kind!r} is not one of transformer, mlp")
+
+
+def cross_entropy(logits, labels):
+    """Mean cross-entropy in nats over every label (rows, or rows × positions)."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jnp.mean(log_z - label_logit)

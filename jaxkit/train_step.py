@@ -1,0 +1,180 @@
+"""Train state, optimizer and the sharded train step.
+
+The step is one pure function `(state, batch) -> (state, metrics)` run once per
+micro-batch; `optax.MultiSteps` accumulates K micro-batch gradients (their mean) and
+applies the inner optimizer on the K-th call, so schedules count optimizer steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxkit import mesh as mesh_lib
+from jaxkit.batch_plan import BatchPlan
+from jaxkit.models import build_model, cross_entropy
+
+
+@struct.dataclass
+class TrainState:
+    params: Any  # nested dict of arrays, laid out as mesh.RULES say
+    opt_state: optax.MultiStepsState  # accumulator, counters and the inner optimizer state
+    micro_step: jax.Array  # int32: micro-batches consumed
+
+    @property
+    def step(self) -> jax.Array:
+        """Optimizer steps done."""
+        return self.opt_state.gradient_step
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict, peak: float) -> optax.Schedule:
+    """Linear warmup from peak/warmup, then cosine decay; counted in optimizer steps."""
+    o, steps = config.optimizer, config.train.steps
+    warmup = max(int(o.warmup_steps), 0)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=peak / max(warmup, 1),
+        peak_value=peak,
+        warmup_steps=warmup,
+        decay_steps=max(steps, warmup + 1),
+        end_value=peak * o.final_lr_fraction,
+    )
+
+
+def _is_matrix(params):
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(config: ml_collections.ConfigDict, plan: BatchPlan):
+    """MultiSteps(K) around clip → adamw | sgd, with the plan's scaled learning rate."""
+    o = config.optimizer
+    schedule = learning_rate_schedule(config, plan.learning_rate)
+    if o.name == "adamw":
+        inner = optax.adamw(
+            schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=_is_matrix
+        )
+    elif o.name == "sgd":
+        decay = optax.add_decayed_weights(o.weight_decay, mask=_is_matrix)
+        inner = optax.chain(decay, optax.sgd(schedule, momentum=o.momentum or None))
+    else:
+        raise ValueError(f"optimizer.name={o.name!r} is not one of adamw, sgd")
+    if o.grad_clip_norm > 0:
+        inner = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), inner)
+    return optax.MultiSteps(inner, every_k_schedule=plan.grad_accum_steps), schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the loop, the benchmarks and the tests need to run steps on a mesh."""
+
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    state_shardings: TrainState
+    batch_sharding: jax.sharding.NamedSharding
+    init: Callable[[jax.Array], TrainState]  # key -> state, born sharded
+    step: Callable  # jitted (state, batch) -> (state, metrics), state donated
+    eval_step: Callable  # jitted (params, batch) -> metrics
+
+
+def _abstract_model(config):
+    with nnx.use_eager_sharding(False):
+        return nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
+
+
+def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Setup:
+    """The state layout and the jitted init, train and eval steps for one mesh and plan."""
+    tx, schedule = make_optimizer(config, plan)
+    graphdef, abstract_params = _abstract_model(config)
+    param_specs = nnx.get_partition_spec(abstract_params).to_pure_dict()
+    opt_specs = optax.tree_map_params(
+        tx,
+        lambda _, spec: spec,
+        jax.eval_shape(tx.init, abstract_params.to_pure_dict()),
+        param_specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    specs = TrainState(params=param_specs, opt_state=opt_specs, micro_step=P())
+    state_shardings = mesh_lib.named_shardings(mesh, specs)
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    replicated = mesh_lib.replicated(mesh)
+
+    def init(key):
+        with nnx.use_eager_sharding(False):
+            params = nnx.state(build_model(config, nnx.Rngs(key))).to_pure_dict()
+        return TrainState(
+            params=params, opt_state=tx.init(params), micro_step=jnp.zeros((), jnp.int32)
+        )
+
+    # Shardings are fixed here, at the jit boundary: state as RULES say, rows over the
+    # batch axes, metrics replicated. The state is donated: its buffers are reused in place.
+    step = jax.jit(
+        functools.partial(train_step, graphdef=graphdef, tx=tx),
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, replicated),
+        donate_argnames="state",
+    )
+    evaluate = jax.jit(
+        functools.partial(eval_step, graphdef=graphdef),
+        in_shardings=(state_shardings.params, batch_sharding),
+        out_shardings=replicated,
+    )
+    return Setup(
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        state_shardings=state_shardings,
+        batch_sharding=batch_sharding,
+        init=jax.jit(init, out_shardings=state_shardings),
+        step=step,
+        eval_step=evaluate,
+    )
+
+
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def train_step(state: TrainState, batch, *, graphdef, tx) -> tuple[TrainState, dict]:
+    """One micro-step: gradient of the micro-batch's mean loss, fed to MultiSteps.
+
+    A non-finite micro-batch contributes a zero gradient (so the accumulation keeps its
+    cadence of K micro-batches per optimizer step) and is reported as `finite = False`.
+    """
+
+    def loss_fn(params):
+        logits = nnx.merge(graphdef, params)(batch["inputs"])
+        return cross_entropy(logits, batch["targets"])
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    finite = jnp.isfinite(loss) & _all_finite(grads)
+    grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+
+    # MultiSteps keeps the running mean of this optimizer step's micro-gradients; the norm
+    # of the mean so far is, on the K-th micro-step, the norm of the step's gradient.
+    n = state.opt_state.mini_step.astype(jnp.float32)
+    mean_grads = jax.tree.map(
+        lambda g, acc: (g + n * acc) / (n + 1), grads, state.opt_state.acc_grads
+    )
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new_state = TrainState(
+        params=optax.apply_updates(state.params, updates),
+        opt_state=opt_state,
+        micro_step=state.micro_step + 1,
+    )
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(mean_grads), "finite": finite}
+    return new_state, metrics
+
+
+def eval_step(params, batch, *, graphdef) -> dict:
+    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == batch["targets"])
+    return {"loss": cross_entropy(logits, batch["targets"]), "accuracy": accuracy}
