@@ -79,7 +79,7 @@ class BatchPlan:
                 ),
             ]
         if self.lr_scaling == "none":
-            lr_note = "no batch scaling"
+            lr_note = "as configured (lr_scaling=none)"
         else:
             ratio = f"{self.global_batch_size}/{self.reference_batch_size}"
             factor = ratio if self.lr_scaling == "linear" else f"sqrt({ratio})"

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxkit import mesh as mesh_lib
     from jaxkit.batch_plan import BatchPlanError, plan_from_config
     from jaxkit.config import ConfigError, apply_overrides, load_config
+    from jaxkit.data import DataError
 
     name, overrides = _split_args(opts.args)
     try:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(plan.table())
             return 0
         return _train(config, opts)
-    except (ConfigError, BatchPlanError, mesh_lib.MeshError) as err:
+    except (ConfigError, BatchPlanError, mesh_lib.MeshError, DataError) as err:
         print(f"jaxkit: error: {err}", file=sys.stderr)
         return 2
 

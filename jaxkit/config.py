@@ -120,11 +120,11 @@ def parse_value(text: str):
 
 
 def _suggest(key: str, keys: list[str]) -> str:
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    if not close:  # a right leaf under a wrong section still deserves a hint
-        leaf = key.rsplit(".", 1)[-1]
-        close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]  # right name, wrong section
+    close = same_leaf + difflib.get_close_matches(key, keys, n=2, cutoff=0.5)
+    close = list(dict.fromkeys(close))[:2]
+    return f" (did you mean {' or '.join(repr(k) for k in close)}?)" if close else ""
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:

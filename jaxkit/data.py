@@ -21,6 +21,10 @@ import numpy as np
 from jaxkit.batch_plan import BatchPlan
 
 
+class DataError(ValueError):
+    """A data source that cannot serve the plan or the config."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ArraySource:
     """Rows of `inputs` and `targets`, read by index."""
@@ -88,7 +92,7 @@ def make_sources(config: ml_collections.ConfigDict):
     """(train, eval) sources for a config's `data` section."""
     d = config.data
     if not 0 < d.eval_fraction < 1:
-        raise ValueError(f"data.eval_fraction={d.eval_fraction} must lie strictly in (0, 1)")
+        raise DataError(f"data.eval_fraction={d.eval_fraction} must lie strictly in (0, 1)")
     if d.source == "text":
         if d.path:
             raw = pathlib.Path(d.path).read_bytes()[: d.max_bytes]
@@ -110,10 +114,10 @@ def make_sources(config: ml_collections.ConfigDict):
     elif d.source == "synthetic":
         sources = _synthetic(config)
     else:
-        raise ValueError(f"data.source={d.source!r} is not one of text, digits, synthetic")
+        raise DataError(f"data.source={d.source!r} is not one of text, digits, synthetic")
     for name, source in zip(("train", "eval"), sources):
         if len(source) == 0:
-            raise ValueError(f"data: the {name} split is empty; give more data")
+            raise DataError(f"data: the {name} split is empty; give more data")
     return sources
 
 
@@ -147,7 +151,7 @@ def global_batch_rows(step: int, global_batch_size: int, num_rows: int, seed: in
     """Source rows of optimizer step `step`'s global batch; a partial last batch is dropped."""
     per_epoch = num_rows // global_batch_size
     if per_epoch == 0:
-        raise ValueError(
+        raise DataError(
             f"global_batch_size={global_batch_size} exceeds the {num_rows} training rows"
         )
     epoch, j = divmod(step, per_epoch)
@@ -193,15 +197,27 @@ def load_micro_batch(source, step: int, micro: int, plan: BatchPlan, seed: int, 
     return to_global_array(source[local_rows], sharding, len(rows))
 
 
+def _eval_batch_count(source, plan: BatchPlan, count: int) -> int:
+    m = plan.micro_batch_size
+    available = len(source) // m
+    if available == 0:
+        raise DataError(
+            f"the held-out split has {len(source)} rows, fewer than one micro-batch ({m}); "
+            "raise data.eval_fraction or the data size, or lower the micro-batch"
+        )
+    return available if count <= 0 else min(count, available)
+
+
 def eval_micro_batches(source, plan: BatchPlan, count: int, sharding):
     """The first `count` micro-batch-sized blocks of held-out rows; 0 = as many as fit."""
     m = plan.micro_batch_size
-    count = len(source) // m if count <= 0 else min(count, len(source) // m)
-    if count == 0:
-        raise ValueError(
-            f"the held-out split has {len(source)} rows, fewer than one micro-batch ({m})"
-        )
     local = process_row_range(sharding, m)
-    for i in range(count):
+    for i in range(_eval_batch_count(source, plan, count)):
         rows = np.arange(i * m, (i + 1) * m)[local]
         yield to_global_array(source[rows], sharding, m)
+
+
+def check_sources(train_source, eval_source, plan: BatchPlan) -> None:
+    """Fails before training, not at the first eval, when a split cannot serve the plan."""
+    global_batch_rows(0, plan.global_batch_size, len(train_source), seed=0)
+    _eval_batch_count(eval_source, plan, 1)

@@ -137,6 +137,7 @@ def train(
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
     train_source, eval_source = data_lib.make_sources(config)
+    data_lib.check_sources(train_source, eval_source, plan)
     setup = build(config, plan, mesh)
     run_dir = RunDir(workdir) if workdir is not None else None
     if run_dir:
@@ -153,7 +154,7 @@ def train(
         records.append(record)
         if run_dir:
             run_dir.log(record)
-        bar.write(_format_record(record))
+        (bar.write if progress else echo)(_format_record(record))
 
     start = time.perf_counter()
     state = setup.init(jax.random.key(seed))

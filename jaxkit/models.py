@@ -14,12 +14,14 @@ from flax import nnx
 from jaxkit.mesh import RULES
 
 
-def _linear(d_in: int, d_out: int, kernel_role: str, bias_role: str, rngs: nnx.Rngs):
+def _linear(d_in: int, d_out: int, kernel_role: str, bias_role: str | None, rngs: nnx.Rngs):
+    bias_axes = RULES[bias_role] if bias_role else (None,)
     return nnx.Linear(
         d_in,
         d_out,
+        use_bias=bias_role is not None,
         kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), RULES[kernel_role]),
-        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), RULES[bias_role]),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), bias_axes),
         rngs=rngs,
     )
 
@@ -60,7 +62,9 @@ class Block(nnx.Module):
         self.num_heads = num_heads
         self.ln_attn = _layer_norm(d_model, rngs)
         self.query = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs)
-        self.key = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs)
+        # No key bias: it adds q·b to every logit of a query, which softmax cancels, so its
+        # gradient is zero up to round-off and Adam would turn that noise into steps.
+        self.key = _linear(d_model, d_model, "in_proj", None, rngs)
         self.value = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs)
         self.attn_out = _linear(d_model, d_model, "out_proj", "vector", rngs)
         self.ln_mlp = _layer_norm(d_model, rngs)

@@ -93,11 +93,11 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
     """The state layout and the jitted init, train and eval steps for one mesh and plan."""
     tx, schedule = make_optimizer(config, plan)
     graphdef, abstract_params = _abstract_model(config)
-    param_specs = nnx.get_partition_spec(abstract_params).to_pure_dict()
+    param_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     opt_specs = optax.tree_map_params(
         tx,
         lambda _, spec: spec,
-        jax.eval_shape(tx.init, abstract_params.to_pure_dict()),
+        jax.eval_shape(tx.init, nnx.to_pure_dict(abstract_params)),
         param_specs,
         transform_non_params=lambda _: P(),
         is_leaf=lambda x: isinstance(x, P),
@@ -109,7 +109,7 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
 
     def init(key):
         with nnx.use_eager_sharding(False):
-            params = nnx.state(build_model(config, nnx.Rngs(key))).to_pure_dict()
+            params = nnx.to_pure_dict(nnx.state(build_model(config, nnx.Rngs(key))))
         return TrainState(
             params=params, opt_state=tx.init(params), micro_step=jnp.zeros((), jnp.int32)
         )
@@ -170,7 +170,7 @@ def train_step(state: TrainState, batch, *, graphdef, tx) -> tuple[TrainState, d
         opt_state=opt_state,
         micro_step=state.micro_step + 1,
     )
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(mean_grads), "finite": finite}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(mean_grads), "finite": finite}
     return new_state, metrics
 
 

@@ -1,0 +1,117 @@
+import math
+
+import pytest
+
+from jaxkit.batch_plan import BatchPlanError, make_batch_plan, splits_table
+
+
+def plan(devices, global_=None, per_device=None, accum=None, **kw):
+    return make_batch_plan(
+        mesh_shape={"data": devices, "fsdp": 1, "tensor": 1},
+        global_batch_size=global_,
+        per_device_batch_size=per_device,
+        grad_accum_steps=accum,
+        **kw,
+    )
+
+
+# (devices, per-device, accumulation) -> global, from the seed articles' tables.
+SEED_ROWS = [(1, 32, 1, 32), (4, 8, 1, 32), (2, 8, 2, 32), (1, 8, 4, 32), (4, 8, 2, 64), (16, 7, 2, 224)]
+
+
+@pytest.mark.parametrize("devices,b,k,g", SEED_ROWS)
+def test_seed_tables_every_direction(devices, b, k, g):
+    for p in (plan(devices, None, b, k), plan(devices, g, None, k), plan(devices, g, b, None), plan(devices, g, b, k)):
+        assert (p.data_parallel_size, p.per_device_batch_size, p.grad_accum_steps, p.global_batch_size) == (devices, b, k, g)
+        assert p.micro_batch_size == devices * b
+
+
+def test_seed_tokens_per_step():
+    # batch 2 × seq 2048 × 4 ranks = 16,384 tokens per step.
+    p = plan(4, None, 2, 1, seq_len=2048)
+    assert p.tokens_per_step == 16_384
+    assert "16,384" in p.table()
+    assert plan(4, None, 2, 1).tokens_per_step is None
+
+
+def test_data_parallel_size_is_data_times_fsdp_not_tensor():
+    p = make_batch_plan(
+        mesh_shape={"data": 2, "fsdp": 2, "tensor": 2},
+        global_batch_size=32,
+        per_device_batch_size=4,
+        grad_accum_steps=None,
+    )
+    assert p.data_parallel_size == 4 and p.grad_accum_steps == 2
+
+
+def test_table_and_splits_table_show_the_seed_example():
+    rows = [plan(d, 32, b, None) for d, b in ((1, 32), (4, 8), (2, 8), (1, 8))]
+    text = splits_table(rows)
+    for line, (d, b, k) in zip(text.splitlines()[2:], ((1, 32, 1), (4, 8, 1), (2, 8, 2), (1, 8, 4))):
+        assert [c.strip() for c in line.split("|")] == [str(d), str(b), str(k), "32"]
+    assert "= 2 × 8 × 2" in plan(2, 32, 8, None).table()
+
+
+def test_indivisible_global_names_formula_and_nearest_valid():
+    with pytest.raises(BatchPlanError) as err:
+        plan(8, 30, 4, None)
+    msg = str(err.value)
+    assert "global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps" in msg
+    assert "30" in msg and "8 × 4" in msg
+    assert "32, 64" in msg  # the valid globals around 30 for 8 × 4 × k
+
+
+def test_indivisible_per_device_suggests_globals_and_accumulations():
+    with pytest.raises(BatchPlanError) as err:
+        plan(4, 40, None, 3)  # 40 / (4 × 3) is not whole
+    msg = str(err.value)
+    assert "36, 48" in msg  # multiples of 4 × 3 around 40
+    assert "grad_accum_steps in 1, 2, 5, 10" in msg  # divisors d of 40 with 4·d | 40
+
+
+def test_global_not_divisible_by_devices_says_so():
+    with pytest.raises(BatchPlanError, match="not divisible by data_parallel_size=4"):
+        plan(4, 30, None, 1)
+
+
+def test_inconsistent_three_values_show_all_fixes():
+    with pytest.raises(BatchPlanError) as err:
+        plan(4, 32, 8, 2)
+    msg = str(err.value)
+    assert "4 × 8 × 2 = 64" in msg and "global_batch_size=64" in msg and "null" in msg
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True])
+def test_zero_negative_and_non_integer_values_are_refused(bad):
+    for kwargs in ({"global_": bad, "per_device": 4}, {"per_device": bad, "accum": 1}, {"global_": 32, "accum": bad}):
+        with pytest.raises(BatchPlanError, match="positive integer"):
+            plan(4, **kwargs)
+
+
+def test_fewer_than_two_given_is_an_error():
+    with pytest.raises(BatchPlanError, match="give two of"):
+        plan(4, 32, None, None)
+
+
+@pytest.mark.parametrize(
+    "rule,expected", [("none", 1e-3), ("linear", 4e-3), ("sqrt", 2e-3)]
+)
+def test_learning_rate_scaling(rule, expected):
+    p = plan(4, 128, 8, None, learning_rate=1e-3, lr_scaling=rule, reference_batch_size=32)
+    assert math.isclose(p.learning_rate, expected, rel_tol=1e-12)
+    assert p.to_json()["learning_rate"] == p.learning_rate
+    assert rule in p.table()
+
+
+def test_learning_rate_scaling_needs_a_reference_and_a_known_rule():
+    with pytest.raises(BatchPlanError, match="reference_batch_size"):
+        plan(4, 32, 8, None, lr_scaling="linear", reference_batch_size=None)
+    with pytest.raises(BatchPlanError, match="none, linear, sqrt"):
+        plan(4, 32, 8, None, lr_scaling="cubic")
+
+
+def test_json_has_the_contract_keys():
+    j = plan(2, 32, 8, None, seq_len=128).to_json()
+    assert j["mesh_shape"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert (j["data_parallel_size"], j["per_device_batch_size"], j["grad_accum_steps"]) == (2, 8, 2)
+    assert (j["global_batch_size"], j["micro_batch_size"], j["seq_len"], j["tokens_per_step"]) == (32, 16, 128, 4096)

@@ -1,0 +1,90 @@
+import jax
+import numpy as np
+import pytest
+
+from jaxkit.batch_plan import make_batch_plan
+from jaxkit.config import apply_overrides, load_config
+from jaxkit.data import (
+    TokenWindows,
+    global_batch_rows,
+    load_micro_batch,
+    make_sources,
+    micro_batch_rows,
+    process_row_range,
+    stdlib_corpus,
+)
+from jaxkit.mesh import batch_sharding, make_mesh
+
+
+def plan(dp, b, k):
+    return make_batch_plan(
+        mesh_shape={"data": dp, "fsdp": 1, "tensor": 1},
+        global_batch_size=None,
+        per_device_batch_size=b,
+        grad_accum_steps=k,
+    )
+
+
+@pytest.mark.parametrize("step", [0, 3, 56, 57, 200])  # 56 full batches of 32 in 1800 rows
+def test_every_split_of_a_global_batch_reads_the_same_rows(step):
+    rows = global_batch_rows(step, 32, 1800, seed=7)
+    assert len(rows) == 32 and len(set(rows.tolist())) == 32
+    for dp, b, k in [(1, 32, 1), (4, 8, 1), (2, 8, 2), (1, 8, 4), (8, 1, 4)]:
+        p = plan(dp, b, k)
+        micro = [micro_batch_rows(step, m, p, 1800, seed=7) for m in range(k)]
+        np.testing.assert_array_equal(np.concatenate(micro), rows)
+
+
+def test_order_depends_on_seed_and_covers_each_epoch_once():
+    epoch = np.concatenate([global_batch_rows(i, 32, 100, seed=0) for i in range(3)])
+    assert len(set(epoch.tolist())) == 96  # 3 batches of 32 from 100 rows, no repeats
+    assert not np.array_equal(global_batch_rows(3, 32, 100, 0), global_batch_rows(0, 32, 100, 0))
+    assert not np.array_equal(global_batch_rows(0, 32, 100, 0), global_batch_rows(0, 32, 100, 1))
+    with pytest.raises(ValueError, match="exceeds the 10 training rows"):
+        global_batch_rows(0, 32, 10, 0)
+
+
+def test_each_device_gets_its_slice_of_the_micro_batch():
+    mesh = make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
+    sharding = batch_sharding(mesh)
+    assert process_row_range(sharding, 16) == slice(0, 16)  # one process holds every row
+    tokens = np.frombuffer(bytes(range(256)) * 40, dtype=np.uint8)
+    source = TokenWindows(tokens, seq_len=8)
+    p = make_batch_plan(
+        mesh_shape={"data": 4, "fsdp": 2, "tensor": 1},
+        global_batch_size=32,
+        per_device_batch_size=2,
+        grad_accum_steps=None,
+    )
+    batch = load_micro_batch(source, 5, 1, p, 0, sharding)
+    rows = micro_batch_rows(5, 1, p, len(source), 0)
+    assert batch["inputs"].shape == (16, 8)
+    for shard in batch["inputs"].addressable_shards:
+        lo = shard.index[0].start
+        np.testing.assert_array_equal(np.asarray(shard.data), source[rows[lo : lo + 2]]["inputs"])
+
+
+def test_token_windows_predict_the_next_byte():
+    source = TokenWindows(np.frombuffer(b"abcdefghij", dtype=np.uint8), seq_len=3)
+    assert len(source) == 3
+    row = source[np.array([1])]
+    assert bytes(row["inputs"][0].astype(np.uint8)) == b"def"
+    assert bytes(row["targets"][0].astype(np.uint8)) == b"efg"
+    uniform = TokenWindows(np.arange(256, dtype=np.uint8), seq_len=2)
+    assert np.isclose(uniform.unigram_entropy(), np.log(256))
+
+
+def test_default_corpus_is_the_stdlib_source_in_sorted_order():
+    text = stdlib_corpus(20_000)
+    assert len(text) == 20_000 and b"def " in text
+    config = load_config("lm_tiny")
+    apply_overrides(config, ["data.max_bytes=100000"])
+    train, held_out = make_sources(config)
+    assert len(train.tokens) == 95_000 and len(held_out.tokens) == 5_000
+
+
+def test_digits_are_the_bundled_images():
+    train, held_out = make_sources(load_config("mlp_digits"))
+    assert len(train) + len(held_out) == 1797
+    assert train.inputs.shape[1] == 64 and 0.0 <= train.inputs.min() and train.inputs.max() <= 1.0
+    assert set(np.unique(train.targets)) == set(range(10))

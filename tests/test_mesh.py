@@ -1,0 +1,74 @@
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxkit.batch_plan import plan_from_config
+from jaxkit.config import apply_overrides, load_config
+from jaxkit.mesh import MeshError, make_mesh, mesh_shape, resolve_mesh_shape
+from jaxkit.train_step import build
+
+
+@pytest.mark.parametrize(
+    "sizes,devices,expected",
+    [
+        ({"data": -1, "fsdp": 1, "tensor": 1}, 8, (8, 1, 1)),
+        ({"data": 2, "fsdp": -1, "tensor": 2}, 8, (2, 2, 2)),
+        ({"data": 1, "fsdp": 4, "tensor": -1}, 8, (1, 4, 2)),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, 8, (2, 2, 2)),
+    ],
+)
+def test_one_axis_fills_the_devices(sizes, devices, expected):
+    assert tuple(resolve_mesh_shape(sizes, devices).values()) == expected
+
+
+@pytest.mark.parametrize(
+    "sizes,match",
+    [
+        ({"data": 3, "fsdp": 1, "tensor": 1}, "= 3 devices, but 8 are available"),
+        ({"data": -1, "fsdp": 3, "tensor": 1}, "multiply to 3, which does not divide the 8"),
+        ({"data": -1, "fsdp": -1, "tensor": 1}, "at most one may be -1"),
+        ({"data": 0, "fsdp": 1, "tensor": 1}, "mesh.data=0"),
+    ],
+)
+def test_mismatched_mesh_is_a_clear_error(sizes, match):
+    with pytest.raises(MeshError, match=match):
+        resolve_mesh_shape(sizes, 8)
+
+
+def test_mesh_axes_are_auto():
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    assert mesh_shape(mesh) == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_state_shardings_on_2x2x2_follow_the_rules():
+    config = load_config("lm_tiny")
+    apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.max_bytes=20000"])
+    mesh = make_mesh(config.mesh.to_dict())
+    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    state = setup.init(jax.random.key(0))
+    params, block = state.params, state.params["blocks"][0]
+    expected = {
+        "embed": (params["embed"]["embedding"], P(None, "fsdp")),
+        "query": (block["query"]["kernel"], P("fsdp", "tensor")),
+        "query bias": (block["query"]["bias"], P("tensor")),
+        "attn_out": (block["attn_out"]["kernel"], P("tensor", "fsdp")),
+        "mlp_in": (block["mlp_in"]["kernel"], P("fsdp", "tensor")),
+        "mlp_out": (block["mlp_out"]["kernel"], P("tensor", "fsdp")),
+        "ln scale": (block["ln_attn"]["scale"], P(None)),
+        "head": (params["head"]["kernel"], P("fsdp", None)),
+    }
+    for name, (array, spec) in expected.items():
+        assert array.sharding.spec == spec, name
+    # Each device holds 1/(fsdp·tensor) of a kernel sharded on both axes.
+    q = block["query"]["kernel"]
+    assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)
+
+    # Optimizer state inherits the params' layout: Adam moments and MultiSteps' accumulator.
+    adam = state.opt_state.inner_opt_state[1][0]  # chain(clip, adamw) -> adamw -> ScaleByAdamState
+    for tree in (adam.mu, adam.nu, state.opt_state.acc_grads):
+        assert tree["blocks"][0]["query"]["kernel"].sharding.spec == P("fsdp", "tensor")
+        assert tree["embed"]["embedding"].sharding.spec == P(None, "fsdp")
+    assert state.opt_state.mini_step.sharding.spec == P()
+    assert state.micro_step.sharding.spec == P()
