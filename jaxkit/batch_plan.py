@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 LR_SCALINGS = ("none", "linear", "sqrt")
+FORMULA = "global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps"
 
 
 class BatchPlanError(ValueError):
@@ -62,7 +63,7 @@ class BatchPlan:
         """The plan as the seed articles tabulate it: item | value | meaning."""
         mesh = " × ".join(f"{name}={size}" for name, size in self.mesh_shape.items())
         dp, b, k = self.data_parallel_size, self.per_device_batch_size, self.grad_accum_steps
-        rows = [
+        rows: list[tuple[str, object, str]] = [
             ("devices (data × fsdp)", dp, f"data-parallel ranks; mesh {mesh}"),
             ("per_device_batch_size", b, "rows per rank per micro-step (memory-bound)"),
             ("grad_accum_steps", k, "micro-steps accumulated per optimizer step"),
@@ -91,7 +92,9 @@ class BatchPlan:
 def _format_table(header, rows) -> str:
     cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in row) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines = [
+        " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -148,6 +151,26 @@ def _join(values) -> str:
     return ", ".join(str(v) for v in values)
 
 
+def _solve(g: int, dp: int, known: int, known_name: str, free_name: str) -> int:
+    """The free factor x of g = dp × known × x, or an error naming the nearest valid choices."""
+    if g % (dp * known) == 0:
+        return g // (dp * known)
+    factors = {known_name: str(known), free_name: free_name}
+    product = f"{dp} × {factors['per_device_batch_size']} × {factors['grad_accum_steps']}"
+    keep = [d for d in _divisors(g) if g % (dp * d) == 0]
+    raise BatchPlanError(
+        f"{FORMULA}: {g} = {product} has no integer solution "
+        f"({g} / ({dp} × {known}) = {g / (dp * known):.4g}). "
+        f"Valid global_batch_size near {g} for {product}: "
+        f"{_join(_nearest_multiples(g, dp * known))}"
+        + (
+            f"; or keep {g} with {known_name} in {_join(keep)}"
+            if keep
+            else f"; {g} is not divisible by data_parallel_size={dp} at all"
+        )
+    )
+
+
 def _check_positive(name: str, value) -> None:
     if value is None:
         return
@@ -185,49 +208,24 @@ def make_batch_plan(
     ):
         _check_positive(name, value)
     given = sum(v is not None for v in (g, b, k))
-    formula = "global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps"
     if given < 2:
         raise BatchPlanError(
             f"give two of batch.global_batch_size, batch.per_device_batch_size and "
             f"batch.grad_accum_steps (got global={g}, per_device={b}, accum={k}); "
-            f"the third is derived from {formula} with data_parallel_size={dp}"
+            f"the third is derived from {FORMULA} with data_parallel_size={dp}"
         )
 
     if g is None:
+        assert b is not None and k is not None
         g = dp * b * k
     elif b is None:
-        if g % (dp * k):
-            valid_k = [d for d in _divisors(g) if g % (dp * d) == 0]
-            raise BatchPlanError(
-                f"{formula}: {g} = {dp} × per_device_batch_size × {k} has no integer solution "
-                f"({g} / ({dp} × {k}) = {g / (dp * k):.4g}). "
-                f"Valid global_batch_size near {g} for {dp} × b × {k}: "
-                f"{_join(_nearest_multiples(g, dp * k))}"
-                + (
-                    f"; or keep {g} with grad_accum_steps in {_join(valid_k)}"
-                    if valid_k
-                    else f"; {g} is not divisible by data_parallel_size={dp} at all"
-                )
-            )
-        b = g // (dp * k)
+        assert k is not None
+        b = _solve(g, dp, k, "grad_accum_steps", "per_device_batch_size")
     elif k is None:
-        if g % (dp * b):
-            valid_b = [d for d in _divisors(g) if g % (dp * d) == 0]
-            raise BatchPlanError(
-                f"{formula}: {g} = {dp} × {b} × grad_accum_steps has no integer solution "
-                f"({g} / ({dp} × {b}) = {g / (dp * b):.4g}). "
-                f"Valid global_batch_size near {g} for {dp} × {b} × k: "
-                f"{_join(_nearest_multiples(g, dp * b))}"
-                + (
-                    f"; or keep {g} with per_device_batch_size in {_join(valid_b)}"
-                    if valid_b
-                    else f"; {g} is not divisible by data_parallel_size={dp} at all"
-                )
-            )
-        k = g // (dp * b)
+        k = _solve(g, dp, b, "per_device_batch_size", "grad_accum_steps")
     elif g != dp * b * k:
         raise BatchPlanError(
-            f"{formula}: {dp} × {b} × {k} = {dp * b * k}, not the global_batch_size={g} given. "
+            f"{FORMULA}: {dp} × {b} × {k} = {dp * b * k}, not the global_batch_size={g} given. "
             "Give only two of the three (set the third to null), or make them agree: "
             f"global_batch_size={dp * b * k}, or per_device_batch_size={g / (dp * k):.4g}, "
             f"or grad_accum_steps={g / (dp * b):.4g}"

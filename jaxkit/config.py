@@ -86,6 +86,8 @@ def load_config(name: str = DEFAULT_CONFIG) -> ml_collections.ConfigDict:
             + (f" (did you mean {hint[0]!r}?)" if hint else "")
         )
     spec = importlib.util.spec_from_file_location(f"jaxkit_config_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
@@ -148,9 +150,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
                 value = float(value)
             elif expected is str and not isinstance(value, str):
                 value = text
-            if not isinstance(value, expected) or (
-                expected is int and isinstance(value, bool)
-            ):
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ConfigError(
                     f"{key}={text!r}: expected {expected.__name__}, got {type(value).__name__}"
                     f" (current value {current!r})"

@@ -84,13 +84,14 @@ def _split_tail(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, n
 
 def _split_shuffled(n: int, eval_fraction: float, seed: int):
     order = np.random.default_rng(seed).permutation(n)
-    cut = n - int(round(n * eval_fraction))
+    cut = n - round(n * eval_fraction)
     return order[:cut], order[cut:]
 
 
 def make_sources(config: ml_collections.ConfigDict):
     """(train, eval) sources for a config's `data` section."""
     d = config.data
+    sources: tuple[TokenWindows, TokenWindows] | tuple[ArraySource, ArraySource]
     if not 0 < d.eval_fraction < 1:
         raise DataError(f"data.eval_fraction={d.eval_fraction} must lie strictly in (0, 1)")
     if d.source == "text":
@@ -115,8 +116,8 @@ def make_sources(config: ml_collections.ConfigDict):
         sources = _synthetic(config)
     else:
         raise DataError(f"data.source={d.source!r} is not one of text, digits, synthetic")
-    for name, source in zip(("train", "eval"), sources):
-        if len(source) == 0:
+    for name, size in (("train", len(sources[0])), ("eval", len(sources[1]))):
+        if size == 0:
             raise DataError(f"data: the {name} split is empty; give more data")
     return sources
 
@@ -169,12 +170,13 @@ def micro_batch_rows(step: int, micro: int, plan: BatchPlan, num_rows: int, seed
 def process_row_range(sharding: jax.sharding.Sharding, num_rows: int) -> slice:
     """The contiguous rows of a row-sharded array that this process's devices hold."""
     row_slices = [
-        idx[0] for idx in sharding.addressable_devices_indices_map((num_rows,)).values()
+        slice(None) if idx is None else idx[0]  # None: the device holds every row
+        for idx in sharding.addressable_devices_indices_map((num_rows,)).values()
     ]
     starts = [s.start or 0 for s in row_slices]
     stops = [num_rows if s.stop is None else s.stop for s in row_slices]
     lo, hi = min(starts), max(stops)
-    held = sum(b - a for a, b in {(a, b) for a, b in zip(starts, stops)})
+    held = sum(b - a for a, b in {(a, b) for a, b in zip(starts, stops, strict=True)})
     if held != hi - lo:
         raise ValueError("this process's devices do not hold one contiguous block of rows")
     return slice(lo, hi)

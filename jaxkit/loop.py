@@ -64,7 +64,7 @@ class _StepTracker:
         self.all_times: list[float] = []
         self.nonfinite_in_row = 0
         self.skipped = 0
-        self.first_step_s: float | None = None
+        self.first_step_s = 0.0  # the first optimizer step, compilation included
         self.last_mark = time.perf_counter()
 
     def restart_clock(self) -> None:
@@ -88,23 +88,21 @@ class _StepTracker:
                 )
         if micro < self.plan.grad_accum_steps - 1:
             return None
+        done = step + 1
         now = time.perf_counter()
         elapsed, self.last_mark = now - self.last_mark, now
-        if self.first_step_s is None:
+        if done == 1:
             self.first_step_s = elapsed  # includes compilation: kept out of throughput
         else:
             self.window_times.append(elapsed)
             self.all_times.append(elapsed)
-        done = step + 1
         record = self._record(done, float(m["grad_norm"]))
         self.losses = []
         return record
 
     def _record(self, done: int, grad_norm: float) -> dict:
         plan = self.plan
-        step_time = (
-            statistics.mean(self.window_times) if self.window_times else self.first_step_s
-        )
+        step_time = statistics.mean(self.window_times) if self.window_times else self.first_step_s
         record = {
             "step": done,
             "micro_step": done * plan.grad_accum_steps,
@@ -116,7 +114,7 @@ class _StepTracker:
             "examples_per_s": plan.global_batch_size / step_time,
             "skipped_micro_batches": self.skipped,
         }
-        if plan.seq_len is not None:
+        if plan.tokens_per_step is not None:
             record["tokens_seen"] = done * plan.tokens_per_step
             record["tokens_per_s"] = plan.tokens_per_step / step_time
         return record
@@ -147,7 +145,7 @@ def train(
     echo(plan.table())
 
     t, seed = config.train, config.train.seed
-    K = plan.grad_accum_steps
+    accum_steps = plan.grad_accum_steps
     records: list[dict] = []
 
     def emit(record: dict) -> None:
@@ -165,7 +163,7 @@ def train(
     pending = None  # (step, micro, metrics) dispatched but not yet fetched
     try:
         for step in range(t.steps):
-            for micro in range(K):
+            for micro in range(accum_steps):
                 batch = data_lib.load_micro_batch(
                     train_source, step, micro, plan, seed, setup.batch_sharding
                 )
@@ -175,7 +173,7 @@ def train(
                 pending = (step, micro, metrics)
             done = step + 1
             eval_due = done == t.steps or (t.eval_every and done % t.eval_every == 0)
-            if eval_due:  # evaluate these params before the next step changes them
+            if eval_due and pending:  # evaluate these params before the next step changes them
                 _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
                 pending = None
                 result = evaluate(setup, state.params, eval_source, plan, t.eval_batches)
@@ -206,7 +204,7 @@ def _finish(tracker, bar, emit, step, micro, metrics, log_every, steps) -> None:
 def _eval_record(done: int, plan: BatchPlan, result: dict) -> dict:
     record = {"step": done, "micro_step": done * plan.grad_accum_steps, **result}
     record["examples_seen"] = done * plan.global_batch_size
-    if plan.seq_len is not None:
+    if plan.tokens_per_step is not None:
         record["tokens_seen"] = done * plan.tokens_per_step
     return record
 
@@ -244,7 +242,7 @@ def _summary(config, plan, records, tracker, eval_source, wall_s) -> dict:
         "skipped_micro_batches": tracker.skipped,
         "wall_time_s": wall_s,
     }
-    if plan.seq_len is not None and step_time:
+    if plan.tokens_per_step is not None and step_time:
         summary["tokens_per_s"] = plan.tokens_per_step / step_time
     if isinstance(eval_source, data_lib.TokenWindows):
         summary["unigram_entropy"] = eval_source.unigram_entropy()

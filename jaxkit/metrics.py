@@ -19,7 +19,8 @@ class RunDir:
     def __init__(self, workdir: str | pathlib.Path):
         self.path = pathlib.Path(workdir)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")
+        # Held open for the run and flushed per line; close() ends it.
+        self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 
     def write_json(self, name: str, obj: dict) -> None:
         tmp = self.path / f".{name}.tmp"

@@ -6,6 +6,8 @@ F MLP hidden width, V vocabulary, C classes, I input features.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -43,7 +45,7 @@ class MLPClassifier(nnx.Module):
         self.hidden = nnx.List(
             [
                 _linear(d_in, d_out, *roles[i % 2], rngs=rngs)
-                for i, (d_in, d_out) in enumerate(zip(widths[:-1], widths[1:]))
+                for i, (d_in, d_out) in enumerate(itertools.pairwise(widths))
             ]
         )
         self.head = _linear(hidden_size, num_classes, "logits", "vector", rngs=rngs)
@@ -98,9 +100,7 @@ class TransformerLM(nnx.Module):
             rngs=rngs,
         )
         self.pos_embed = nnx.Param(
-            nnx.with_partitioning(embed_init, RULES["pos_embed"])(
-                rngs.params(), (seq_len, d_model)
-            )
+            nnx.with_partitioning(embed_init, RULES["pos_embed"])(rngs.params(), (seq_len, d_model))
         )
         self.blocks = nnx.List(
             [Block(d_model, num_heads, mlp_dim, rngs=rngs) for _ in range(num_layers)]

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan
@@ -27,7 +29,7 @@ from jaxkit.models import build_model, cross_entropy
 class TrainState:
     params: Any  # nested dict of arrays, laid out as mesh.RULES say
     opt_state: optax.MultiStepsState  # accumulator, counters and the inner optimizer state
-    micro_step: jax.Array  # int32: micro-batches consumed
+    micro_step: Any  # int32 scalar: micro-batches consumed (a spec in layout trees)
 
     @property
     def step(self) -> jax.Array:

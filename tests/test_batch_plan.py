@@ -16,13 +16,30 @@ def plan(devices, global_=None, per_device=None, accum=None, **kw):
 
 
 # (devices, per-device, accumulation) -> global, from the seed articles' tables.
-SEED_ROWS = [(1, 32, 1, 32), (4, 8, 1, 32), (2, 8, 2, 32), (1, 8, 4, 32), (4, 8, 2, 64), (16, 7, 2, 224)]
+SEED_ROWS = [
+    (1, 32, 1, 32),
+    (4, 8, 1, 32),
+    (2, 8, 2, 32),
+    (1, 8, 4, 32),
+    (4, 8, 2, 64),
+    (16, 7, 2, 224),
+]
 
 
 @pytest.mark.parametrize("devices,b,k,g", SEED_ROWS)
 def test_seed_tables_every_direction(devices, b, k, g):
-    for p in (plan(devices, None, b, k), plan(devices, g, None, k), plan(devices, g, b, None), plan(devices, g, b, k)):
-        assert (p.data_parallel_size, p.per_device_batch_size, p.grad_accum_steps, p.global_batch_size) == (devices, b, k, g)
+    for p in (
+        plan(devices, None, b, k),
+        plan(devices, g, None, k),
+        plan(devices, g, b, None),
+        plan(devices, g, b, k),
+    ):
+        assert (
+            p.data_parallel_size,
+            p.per_device_batch_size,
+            p.grad_accum_steps,
+            p.global_batch_size,
+        ) == (devices, b, k, g)
         assert p.micro_batch_size == devices * b
 
 
@@ -47,7 +64,9 @@ def test_data_parallel_size_is_data_times_fsdp_not_tensor():
 def test_table_and_splits_table_show_the_seed_example():
     rows = [plan(d, 32, b, None) for d, b in ((1, 32), (4, 8), (2, 8), (1, 8))]
     text = splits_table(rows)
-    for line, (d, b, k) in zip(text.splitlines()[2:], ((1, 32, 1), (4, 8, 1), (2, 8, 2), (1, 8, 4))):
+    for line, (d, b, k) in zip(
+        text.splitlines()[2:], ((1, 32, 1), (4, 8, 1), (2, 8, 2), (1, 8, 4)), strict=True
+    ):
         assert [c.strip() for c in line.split("|")] == [str(d), str(b), str(k), "32"]
     assert "= 2 × 8 × 2" in plan(2, 32, 8, None).table()
 
@@ -56,7 +75,9 @@ def test_indivisible_global_names_formula_and_nearest_valid():
     with pytest.raises(BatchPlanError) as err:
         plan(8, 30, 4, None)
     msg = str(err.value)
-    assert "global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps" in msg
+    assert (
+        "global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps" in msg
+    )
     assert "30" in msg and "8 × 4" in msg
     assert "32, 64" in msg  # the valid globals around 30 for 8 × 4 × k
 
@@ -83,7 +104,11 @@ def test_inconsistent_three_values_show_all_fixes():
 
 @pytest.mark.parametrize("bad", [0, -4, 2.5, True])
 def test_zero_negative_and_non_integer_values_are_refused(bad):
-    for kwargs in ({"global_": bad, "per_device": 4}, {"per_device": bad, "accum": 1}, {"global_": 32, "accum": bad}):
+    for kwargs in (
+        {"global_": bad, "per_device": 4},
+        {"per_device": bad, "accum": 1},
+        {"global_": 32, "accum": bad},
+    ):
         with pytest.raises(BatchPlanError, match="positive integer"):
             plan(4, **kwargs)
 
@@ -93,9 +118,7 @@ def test_fewer_than_two_given_is_an_error():
         plan(4, 32, None, None)
 
 
-@pytest.mark.parametrize(
-    "rule,expected", [("none", 1e-3), ("linear", 4e-3), ("sqrt", 2e-3)]
-)
+@pytest.mark.parametrize("rule,expected", [("none", 1e-3), ("linear", 4e-3), ("sqrt", 2e-3)])
 def test_learning_rate_scaling(rule, expected):
     p = plan(4, 128, 8, None, learning_rate=1e-3, lr_scaling=rule, reference_batch_size=32)
     assert math.isclose(p.learning_rate, expected, rel_tol=1e-12)
@@ -114,4 +137,9 @@ def test_json_has_the_contract_keys():
     j = plan(2, 32, 8, None, seq_len=128).to_json()
     assert j["mesh_shape"] == {"data": 2, "fsdp": 1, "tensor": 1}
     assert (j["data_parallel_size"], j["per_device_batch_size"], j["grad_accum_steps"]) == (2, 8, 2)
-    assert (j["global_batch_size"], j["micro_batch_size"], j["seq_len"], j["tokens_per_step"]) == (32, 16, 128, 4096)
+    assert (j["global_batch_size"], j["micro_batch_size"], j["seq_len"], j["tokens_per_step"]) == (
+        32,
+        16,
+        128,
+        4096,
+    )

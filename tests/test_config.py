@@ -45,7 +45,9 @@ def test_overrides_keep_types_and_null_switches_the_free_value():
 
 def test_unknown_key_suggests_the_closest():
     c = load_config("lm_tiny")
-    with pytest.raises(ConfigError, match=r"unknown config key 'batch\.global_batch'.*'batch\.global_batch_size'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'batch\.global_batch'.*'batch\.global_batch_size'"
+    ):
         apply_overrides(c, ["batch.global_batch=64"])
     with pytest.raises(ConfigError, match=r"'train\.steps'"):
         apply_overrides(c, ["optimizer.steps=3"])

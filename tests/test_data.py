@@ -1,4 +1,3 @@
-import jax
 import numpy as np
 import pytest
 
@@ -86,5 +85,5 @@ def test_default_corpus_is_the_stdlib_source_in_sorted_order():
 def test_digits_are_the_bundled_images():
     train, held_out = make_sources(load_config("mlp_digits"))
     assert len(train) + len(held_out) == 1797
-    assert train.inputs.shape[1] == 64 and 0.0 <= train.inputs.min() and train.inputs.max() <= 1.0
+    assert train.inputs.shape[1] == 64 and train.inputs.min() >= 0.0 and train.inputs.max() <= 1.0
     assert set(np.unique(train.targets)) == set(range(10))

@@ -6,7 +6,6 @@ data order come from jaxkit (they are what the splits must agree on).
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -109,7 +108,9 @@ def test_seed_splits_match_a_full_batch_reference(name):
     runs = {}
     for devices, per_device, accum in SEED_SPLITS:
         config = small_config(name, devices, per_device)
-        result = train(config, devices=jax.devices()[:devices], progress=False, echo=lambda *a: None)
+        result = train(
+            config, devices=jax.devices()[:devices], progress=False, echo=lambda *a: None
+        )
         plan = result.plan
         assert (plan.data_parallel_size, plan.per_device_batch_size, plan.grad_accum_steps) == (
             devices,
@@ -133,7 +134,6 @@ def test_seed_splits_match_a_full_batch_reference(name):
         np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=str(split))
         worst = max(
             float(np.max(np.abs(a - b)))
-            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params))
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
         )
         assert worst < PARAM_ATOL, (split, worst)
-

@@ -20,8 +20,11 @@ def test_learning_rate_schedule_advances_once_per_optimizer_step():
     # K = 4 micro-steps per optimizer step: the logged rate is the schedule at the
     # optimizer step, and params change only on every 4th micro-step.
     config = digits(
-        "batch.per_device_batch_size=1", "train.steps=6", "train.log_every=1",
-        "optimizer.warmup_steps=4", "mesh.data=-1",
+        "batch.per_device_batch_size=1",
+        "train.steps=6",
+        "train.log_every=1",
+        "optimizer.warmup_steps=4",
+        "mesh.data=-1",
     )
     result = train(config, progress=False, echo=lambda *a: None)
     assert result.plan.grad_accum_steps == 4
@@ -39,9 +42,14 @@ def test_learning_rate_schedule_advances_once_per_optimizer_step():
     state = setup.init(jax.random.key(0))
     before = jax.device_get(state.params)
     for micro in range(4):
-        state, _ = setup.step(state, load_micro_batch(source, 0, micro, plan, 0, setup.batch_sharding))
+        state, _ = setup.step(
+            state, load_micro_batch(source, 0, micro, plan, 0, setup.batch_sharding)
+        )
         after = jax.device_get(state.params)
-        changed = any(np.any(a != b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+        changed = any(
+            np.any(a != b)
+            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+        )
         assert changed == (micro == 3), micro
         assert int(state.step) == (micro == 3)
 
@@ -63,11 +71,15 @@ def test_non_finite_micro_batch_is_skipped_and_counted():
     assert bool(m_good["finite"]) and int(state.step) == 1
     for leaf in jax.tree.leaves(jax.device_get(state.params)):
         assert np.all(np.isfinite(leaf))
+    # The state is born with its final dtypes and shardings, so the step compiled once.
+    assert setup.step._cache_size() == 1
 
 
 def test_run_stops_with_a_clear_error_after_non_finite_losses_in_a_row():
     config = digits(
-        "train.steps=20", "optimizer.learning_rate=1e30", "optimizer.warmup_steps=0",
+        "train.steps=20",
+        "optimizer.learning_rate=1e30",
+        "optimizer.warmup_steps=0",
         "train.max_nonfinite_in_row=3",
     )
     with pytest.raises(NonFiniteLossError, match="3 non-finite micro-batches in a row"):
