@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable, Sequence
+
+import ml_collections
 
 LR_SCALINGS = ("none", "linear", "sqrt")
 FORMULA = "global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps"
@@ -89,7 +92,7 @@ class BatchPlan:
         return _format_table(("item", "value", "meaning"), rows)
 
 
-def _format_table(header, rows) -> str:
+def _format_table(header: Sequence[object], rows: Iterable[Sequence[object]]) -> str:
     cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in row) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = [
@@ -147,7 +150,7 @@ def _nearest_multiples(value: int, unit: int, count: int = 2) -> list[int]:
     return sorted(lows) + highs
 
 
-def _join(values) -> str:
+def _join(values: Iterable[object]) -> str:
     return ", ".join(str(v) for v in values)
 
 
@@ -171,7 +174,7 @@ def _solve(g: int, dp: int, known: int, known_name: str, free_name: str) -> int:
     )
 
 
-def _check_positive(name: str, value) -> None:
+def _check_positive(name: str, value: object) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -248,7 +251,7 @@ def make_batch_plan(
     )
 
 
-def plan_from_config(config, mesh_shape: dict[str, int]) -> BatchPlan:
+def plan_from_config(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> BatchPlan:
     """The batch plan a config asks for on a mesh of the given shape."""
     b, o = config.batch, config.optimizer
     return make_batch_plan(

@@ -8,6 +8,10 @@ import json
 import os
 import pathlib
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ml_collections
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
 
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _train(config, opts) -> int:
+def _train(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
     from jaxkit.loop import NonFiniteLossError, train
 
     workdir = opts.workdir

@@ -107,7 +107,7 @@ def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
     return keys
 
 
-def parse_value(text: str):
+def parse_value(text: str) -> bool | int | float | str | None:
     """Parses an override value: null, bool, int, float, else the string itself."""
     if text in NULL_WORDS:
         return None

@@ -13,12 +13,24 @@ import dataclasses
 import functools
 import pathlib
 import sysconfig
+from collections.abc import Iterator
+from typing import Protocol
 
 import jax
 import ml_collections
 import numpy as np
 
 from jaxkit.batch_plan import BatchPlan
+
+Rows = dict[str, np.ndarray]  # "inputs" and "targets", one entry per row asked for
+
+
+class Source(Protocol):
+    """Rows by index: what the loop needs of a data set."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, rows: np.ndarray) -> Rows: ...
 
 
 class DataError(ValueError):
@@ -36,7 +48,7 @@ class ArraySource:
     def __len__(self) -> int:
         return len(self.inputs)
 
-    def __getitem__(self, rows) -> dict[str, np.ndarray]:
+    def __getitem__(self, rows: np.ndarray) -> Rows:
         return {"inputs": self.inputs[rows], "targets": self.targets[rows]}
 
 
@@ -50,7 +62,7 @@ class TokenWindows:
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
-    def __getitem__(self, rows) -> dict[str, np.ndarray]:
+    def __getitem__(self, rows: np.ndarray) -> Rows:
         starts = np.asarray(rows, dtype=np.int64)[:, None] * self.seq_len
         window = self.tokens[starts + np.arange(self.seq_len + 1)].astype(np.int32)
         return {"inputs": window[:, :-1], "targets": window[:, 1:]}
@@ -82,16 +94,16 @@ def _split_tail(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, n
     return tokens[:cut], tokens[cut:]
 
 
-def _split_shuffled(n: int, eval_fraction: float, seed: int):
+def _split_shuffled(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     order = np.random.default_rng(seed).permutation(n)
     cut = n - round(n * eval_fraction)
     return order[:cut], order[cut:]
 
 
-def make_sources(config: ml_collections.ConfigDict):
+def make_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
     """(train, eval) sources for a config's `data` section."""
     d = config.data
-    sources: tuple[TokenWindows, TokenWindows] | tuple[ArraySource, ArraySource]
+    sources: tuple[Source, Source]
     if not 0 < d.eval_fraction < 1:
         raise DataError(f"data.eval_fraction={d.eval_fraction} must lie strictly in (0, 1)")
     if d.source == "text":
@@ -122,7 +134,7 @@ def make_sources(config: ml_collections.ConfigDict):
     return sources
 
 
-def _synthetic(config: ml_collections.ConfigDict):
+def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySource]:
     """Learnable synthetic rows, fixed by the seed: a linear teacher, or counting sequences."""
     d, n = config.data, config.data.num_examples
     rng = np.random.default_rng(12345)
@@ -160,7 +172,9 @@ def global_batch_rows(step: int, global_batch_size: int, num_rows: int, seed: in
     return perm[j * global_batch_size : (j + 1) * global_batch_size]
 
 
-def micro_batch_rows(step: int, micro: int, plan: BatchPlan, num_rows: int, seed: int):
+def micro_batch_rows(
+    step: int, micro: int, plan: BatchPlan, num_rows: int, seed: int
+) -> np.ndarray:
     """Source rows of micro-step `micro` (0 ≤ micro < K) of optimizer step `step`."""
     rows = global_batch_rows(step, plan.global_batch_size, num_rows, seed)
     m = plan.micro_batch_size
@@ -182,7 +196,9 @@ def process_row_range(sharding: jax.sharding.Sharding, num_rows: int) -> slice:
     return slice(lo, hi)
 
 
-def to_global_array(rows: dict[str, np.ndarray], sharding, global_rows: int) -> dict:
+def to_global_array(
+    rows: Rows, sharding: jax.sharding.Sharding, global_rows: int
+) -> dict[str, jax.Array]:
     """Builds global arrays from this process's rows (all of them when there is one process)."""
     return {
         key: jax.make_array_from_process_local_data(
@@ -192,14 +208,21 @@ def to_global_array(rows: dict[str, np.ndarray], sharding, global_rows: int) -> 
     }
 
 
-def load_micro_batch(source, step: int, micro: int, plan: BatchPlan, seed: int, sharding):
+def load_micro_batch(
+    source: Source,
+    step: int,
+    micro: int,
+    plan: BatchPlan,
+    seed: int,
+    sharding: jax.sharding.Sharding,
+) -> dict[str, jax.Array]:
     """Micro-step `micro` of optimizer step `step`, sharded over the batch axes."""
     rows = micro_batch_rows(step, micro, plan, len(source), seed)
     local_rows = rows[process_row_range(sharding, len(rows))]
     return to_global_array(source[local_rows], sharding, len(rows))
 
 
-def _eval_batch_count(source, plan: BatchPlan, count: int) -> int:
+def _eval_batch_count(source: Source, plan: BatchPlan, count: int) -> int:
     m = plan.micro_batch_size
     available = len(source) // m
     if available == 0:
@@ -210,7 +233,9 @@ def _eval_batch_count(source, plan: BatchPlan, count: int) -> int:
     return available if count <= 0 else min(count, available)
 
 
-def eval_micro_batches(source, plan: BatchPlan, count: int, sharding):
+def eval_micro_batches(
+    source: Source, plan: BatchPlan, count: int, sharding: jax.sharding.Sharding
+) -> Iterator[dict[str, jax.Array]]:
     """The first `count` micro-batch-sized blocks of held-out rows; 0 = as many as fit."""
     m = plan.micro_batch_size
     local = process_row_range(sharding, m)
@@ -219,7 +244,7 @@ def eval_micro_batches(source, plan: BatchPlan, count: int, sharding):
         yield to_global_array(source[rows], sharding, m)
 
 
-def check_sources(train_source, eval_source, plan: BatchPlan) -> None:
+def check_sources(train_source: Source, eval_source: Source, plan: BatchPlan) -> None:
     """Fails before training, not at the first eval, when a split cannot serve the plan."""
     global_batch_rows(0, plan.global_batch_size, len(train_source), seed=0)
     _eval_batch_count(eval_source, plan, 1)

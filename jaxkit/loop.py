@@ -8,9 +8,12 @@ that fetch is where non-finite losses are caught.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -37,7 +40,9 @@ class RunResult:
     summary: dict
 
 
-def evaluate(setup: Setup, params, source, plan: BatchPlan, num_batches: int) -> dict:
+def evaluate(
+    setup: Setup, params: Any, source: data_lib.Source, plan: BatchPlan, num_batches: int
+) -> dict[str, float]:
     """Mean loss and accuracy over `num_batches` held-out micro-batches (0 = all)."""
     fetched, pending = [], None
     for batch in data_lib.eval_micro_batches(source, plan, num_batches, setup.batch_sharding):
@@ -55,7 +60,7 @@ def evaluate(setup: Setup, params, source, plan: BatchPlan, num_batches: int) ->
 class _StepTracker:
     """Host-side bookkeeping for fetched micro-steps: losses, timing, non-finite streaks."""
 
-    def __init__(self, config, plan: BatchPlan, setup: Setup):
+    def __init__(self, config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup):
         self.plan, self.setup = plan, setup
         self.log_every = config.train.log_every
         self.max_nonfinite = config.train.max_nonfinite_in_row
@@ -70,7 +75,7 @@ class _StepTracker:
     def restart_clock(self) -> None:
         self.last_mark = time.perf_counter()
 
-    def micro_step_done(self, step: int, micro: int, metrics) -> dict | None:
+    def micro_step_done(self, step: int, micro: int, metrics: dict[str, jax.Array]) -> dict | None:
         """Takes a fetched micro-step; returns the step's record when it ends a log window."""
         m = jax.device_get(metrics)
         self.losses.append(float(m["loss"]))
@@ -125,11 +130,11 @@ class _StepTracker:
 
 def train(
     config: ml_collections.ConfigDict,
-    workdir=None,
+    workdir: str | os.PathLike | None = None,
     *,
-    devices=None,
+    devices: Sequence[jax.Device] | None = None,
     progress: bool = True,
-    echo=print,
+    echo: Callable[[str], None] = print,
 ) -> RunResult:
     """Trains `config` on a mesh of `devices` (default: all) and writes to `workdir`."""
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
@@ -190,7 +195,16 @@ def train(
     return RunResult(plan=plan, state=state, records=records, summary=summary)
 
 
-def _finish(tracker, bar, emit, step, micro, metrics, log_every, steps) -> None:
+def _finish(
+    tracker: _StepTracker,
+    bar: tqdm.tqdm,
+    emit: Callable[[dict], None],
+    step: int,
+    micro: int,
+    metrics: dict[str, jax.Array],
+    log_every: int,
+    steps: int,
+) -> None:
     record = tracker.micro_step_done(step, micro, metrics)
     if record is None:
         return
@@ -226,7 +240,14 @@ def _format_record(record: dict) -> str:
     )
 
 
-def _summary(config, plan, records, tracker, eval_source, wall_s) -> dict:
+def _summary(
+    config: ml_collections.ConfigDict,
+    plan: BatchPlan,
+    records: list[dict],
+    tracker: _StepTracker,
+    eval_source: data_lib.Source,
+    wall_s: float,
+) -> dict:
     train_records = [r for r in records if "loss" in r]
     eval_records = [r for r in records if "eval_loss" in r]
     step_time = statistics.median(tracker.all_times) if tracker.all_times else None

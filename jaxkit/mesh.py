@@ -8,6 +8,8 @@ hidden units and holds whole rows of the batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -68,7 +70,7 @@ def _describe(sizes: dict[str, int]) -> str:
     return " × ".join(f"{axis}={size}" for axis, size in sizes.items())
 
 
-def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ("data", "fsdp", "tensor") mesh with Auto axes (GSPMD places what we leave open)."""
     devices = jax.devices() if devices is None else devices
     shape = resolve_mesh_shape(sizes, len(devices))
@@ -93,7 +95,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def named_shardings(mesh: Mesh, specs):
+def named_shardings(mesh: Mesh, specs: Any) -> Any:
     """PartitionSpecs → NamedShardings on `mesh`, for a whole tree."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)

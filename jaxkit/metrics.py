@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 
 
-def _jsonable(value):
+def _jsonable(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep them readable rather than invalid
     return value
@@ -16,7 +17,7 @@ def _jsonable(value):
 class RunDir:
     """Writes a run's files; every metrics line is flushed as soon as it is written."""
 
-    def __init__(self, workdir: str | pathlib.Path):
+    def __init__(self, workdir: str | os.PathLike):
         self.path = pathlib.Path(workdir)
         self.path.mkdir(parents=True, exist_ok=True)
         # Held open for the run and flushed per line; close() ends it.
@@ -36,7 +37,7 @@ class RunDir:
         self._metrics.close()
 
 
-def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
+def read_metrics(workdir: str | os.PathLike) -> list[dict]:
     """Every record of a run's metrics.jsonl (train and eval records interleaved)."""
     lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     return [json.loads(line) for line in lines if line.strip()]

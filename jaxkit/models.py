@@ -16,7 +16,9 @@ from flax import nnx
 from jaxkit.mesh import RULES
 
 
-def _linear(d_in: int, d_out: int, kernel_role: str, bias_role: str | None, rngs: nnx.Rngs):
+def _linear(
+    d_in: int, d_out: int, kernel_role: str, bias_role: str | None, rngs: nnx.Rngs
+) -> nnx.Linear:
     bias_axes = RULES[bias_role] if bias_role else (None,)
     return nnx.Linear(
         d_in,
@@ -38,7 +40,15 @@ def _layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
 
 
 class MLPClassifier(nnx.Module):
-    def __init__(self, num_features, hidden_size, num_layers, num_classes, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        num_features: int,
+        hidden_size: int,
+        num_layers: int,
+        num_classes: int,
+        *,
+        rngs: nnx.Rngs,
+    ):
         widths = [num_features] + [hidden_size] * num_layers
         # Alternate in/out roles so consecutive kernels shard compatibly on the tensor axis.
         roles = [("in_proj", "hidden_bias"), ("out_proj", "vector")]
@@ -50,7 +60,7 @@ class MLPClassifier(nnx.Module):
         )
         self.head = _linear(hidden_size, num_classes, "logits", "vector", rngs=rngs)
 
-    def __call__(self, x_BxI):
+    def __call__(self, x_BxI: jax.Array) -> jax.Array:
         h = x_BxI
         for layer in self.hidden:
             h = jax.nn.relu(layer(h))
@@ -60,7 +70,7 @@ class MLPClassifier(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm Transformer block: causal self-attention, then a GELU MLP."""
 
-    def __init__(self, d_model, num_heads, mlp_dim, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, num_heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
         self.num_heads = num_heads
         self.ln_attn = _layer_norm(d_model, rngs)
         self.query = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs)
@@ -73,7 +83,7 @@ class Block(nnx.Module):
         self.mlp_in = _linear(d_model, mlp_dim, "in_proj", "hidden_bias", rngs)
         self.mlp_out = _linear(mlp_dim, d_model, "out_proj", "vector", rngs)
 
-    def __call__(self, x_BxLxD):
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H = self.num_heads
         h_BxLxD = self.ln_attn(x_BxLxD)
@@ -89,7 +99,17 @@ class Block(nnx.Module):
 class TransformerLM(nnx.Module):
     """Decoder-only byte LM with learned positions."""
 
-    def __init__(self, vocab_size, seq_len, d_model, num_layers, num_heads, mlp_dim, *, rngs):
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        d_model: int,
+        num_layers: int,
+        num_heads: int,
+        mlp_dim: int,
+        *,
+        rngs: nnx.Rngs,
+    ):
         if d_model % num_heads:
             raise ValueError(f"model.d_model={d_model} is not divisible by num_heads={num_heads}")
         embed_init = nnx.initializers.normal(stddev=0.02)
@@ -108,7 +128,7 @@ class TransformerLM(nnx.Module):
         self.ln_final = _layer_norm(d_model, rngs)
         self.head = _linear(d_model, vocab_size, "logits", "vector", rngs)
 
-    def __call__(self, tokens_BxL):
+    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         L = tokens_BxL.shape[1]
         x_BxLxD = self.embed(tokens_BxL) + self.pos_embed[:L]
         for block in self.blocks:
@@ -127,7 +147,7 @@ def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module
     raise ValueError(f"model.kind={m.kind!r} is not one of transformer, mlp")
 
 
-def cross_entropy(logits, labels):
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross-entropy in nats over every label (rows, or rows × positions)."""
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,12 +50,18 @@ def learning_rate_schedule(config: ml_collections.ConfigDict, peak: float) -> op
     )
 
 
-def _is_matrix(params):
+def _is_matrix(params: Any) -> Any:
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(config: ml_collections.ConfigDict, plan: BatchPlan):
-    """MultiSteps(K) around clip → adamw | sgd, with the plan's scaled learning rate."""
+def make_optimizer(
+    config: ml_collections.ConfigDict, plan: BatchPlan
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """MultiSteps(K) around (record norm, clip, adamw | sgd), with the plan's scaled LR.
+
+    The inner chain always has these three parts (clip may be the identity), so its state
+    is laid out the same whatever the config: (GradNormState, clip state, optimizer state).
+    """
     o = config.optimizer
     schedule = learning_rate_schedule(config, plan.learning_rate)
     if o.name == "adamw":
@@ -67,9 +73,36 @@ def make_optimizer(config: ml_collections.ConfigDict, plan: BatchPlan):
         inner = optax.chain(decay, optax.sgd(schedule, momentum=o.momentum or None))
     else:
         raise ValueError(f"optimizer.name={o.name!r} is not one of adamw, sgd")
-    if o.grad_clip_norm > 0:
-        inner = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), inner)
+    clip = optax.clip_by_global_norm(o.grad_clip_norm) if o.grad_clip_norm > 0 else optax.identity()
+    inner = optax.chain(record_grad_norm(), clip, inner)
     return optax.MultiSteps(inner, every_k_schedule=plan.grad_accum_steps), schedule
+
+
+class GradNormState(NamedTuple):
+    grad_norm: jax.Array  # float32: global norm of the gradient the optimizer last applied
+
+
+def record_grad_norm() -> optax.GradientTransformation:
+    """Passes updates through and keeps their global norm in its state.
+
+    Inside MultiSteps it sees the accumulated mean gradient, and its state is kept only on
+    the K-th micro-step: so it holds the norm of each optimizer step's gradient.
+    """
+
+    def init(params: Any) -> GradNormState:
+        del params
+        return GradNormState(jnp.zeros((), jnp.float32))
+
+    def update(updates: Any, state: GradNormState, params: Any = None) -> tuple:
+        del state, params
+        return updates, GradNormState(optax.tree.norm(updates))
+
+    return optax.GradientTransformation(init, update)
+
+
+def applied_grad_norm(opt_state: optax.MultiStepsState) -> jax.Array:
+    """The norm of the gradient of the last optimizer step (before clipping)."""
+    return opt_state.inner_opt_state[0].grad_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +119,7 @@ class Setup:
     eval_step: Callable  # jitted (params, batch) -> metrics
 
 
-def _abstract_model(config):
+def _abstract_model(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, nnx.State]:
     with nnx.use_eager_sharding(False):
         return nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
 
@@ -109,7 +142,7 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
     batch_sharding = mesh_lib.batch_sharding(mesh)
     replicated = mesh_lib.replicated(mesh)
 
-    def init(key):
+    def init(key: jax.Array) -> TrainState:
         with nnx.use_eager_sharding(False):
             params = nnx.to_pure_dict(nnx.state(build_model(config, nnx.Rngs(key))))
         return TrainState(
@@ -141,42 +174,43 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
     )
 
 
-def _all_finite(tree) -> jax.Array:
+def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def train_step(state: TrainState, batch, *, graphdef, tx) -> tuple[TrainState, dict]:
+def train_step(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One micro-step: gradient of the micro-batch's mean loss, fed to MultiSteps.
 
     A non-finite micro-batch contributes a zero gradient (so the accumulation keeps its
     cadence of K micro-batches per optimizer step) and is reported as `finite = False`.
     """
 
-    def loss_fn(params):
+    def loss_fn(params: Any) -> jax.Array:
         logits = nnx.merge(graphdef, params)(batch["inputs"])
         return cross_entropy(logits, batch["targets"])
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     finite = jnp.isfinite(loss) & _all_finite(grads)
     grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-
-    # MultiSteps keeps the running mean of this optimizer step's micro-gradients; the norm
-    # of the mean so far is, on the K-th micro-step, the norm of the step's gradient.
-    n = state.opt_state.mini_step.astype(jnp.float32)
-    mean_grads = jax.tree.map(
-        lambda g, acc: (g + n * acc) / (n + 1), grads, state.opt_state.acc_grads
-    )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new_state = TrainState(
         params=optax.apply_updates(state.params, updates),
         opt_state=opt_state,
         micro_step=state.micro_step + 1,
     )
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(mean_grads), "finite": finite}
+    metrics = {"loss": loss, "grad_norm": applied_grad_norm(opt_state), "finite": finite}
     return new_state, metrics
 
 
-def eval_step(params, batch, *, graphdef) -> dict:
+def eval_step(
+    params: Any, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef
+) -> dict[str, jax.Array]:
     logits = nnx.merge(graphdef, params)(batch["inputs"])
     accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == batch["targets"])
     return {"loss": cross_entropy(logits, batch["targets"]), "accuracy": accuracy}

@@ -66,7 +66,7 @@ def test_state_shardings_on_2x2x2_follow_the_rules():
     assert q.addressable_shards[0].data.shape == (q.shape[0] // 2, q.shape[1] // 2)
 
     # Optimizer state inherits the params' layout: Adam moments and MultiSteps' accumulator.
-    adam = state.opt_state.inner_opt_state[1][0]  # chain(clip, adamw) -> adamw -> ScaleByAdamState
+    adam = state.opt_state.inner_opt_state[2][0]  # (norm, clip, adamw) -> ScaleByAdamState
     for tree in (adam.mu, adam.nu, state.opt_state.acc_grads):
         assert tree["blocks"][0]["query"]["kernel"].sharding.spec == P("fsdp", "tensor")
         assert tree["embed"]["embedding"].sharding.spec == P(None, "fsdp")

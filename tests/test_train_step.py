@@ -32,7 +32,7 @@ def test_learning_rate_schedule_advances_once_per_optimizer_step():
     peak = result.plan.learning_rate
     # Warmup from peak/4 to the peak over 4 optimizer steps: 1/4, 7/16, 5/8, 13/16 of it.
     np.testing.assert_allclose(lrs[:4], np.array([1 / 4, 7 / 16, 5 / 8, 13 / 16]) * peak, rtol=1e-6)
-    assert int(result.state.opt_state.inner_opt_state[0].count) == 6  # adamw's own count
+    assert int(result.state.opt_state.inner_opt_state[2][0].count) == 6  # adamw's own count
     assert int(result.state.micro_step) == 24
 
     mesh = make_mesh(config.mesh.to_dict())
