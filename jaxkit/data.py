@@ -108,7 +108,10 @@ def make_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
         raise DataError(f"data.eval_fraction={d.eval_fraction} must lie strictly in (0, 1)")
     if d.source == "text":
         if d.path:
-            raw = pathlib.Path(d.path).read_bytes()[: d.max_bytes]
+            path = pathlib.Path(d.path).expanduser()
+            if not path.is_file():
+                raise DataError(f"data.path={d.path!r} is not a readable file")
+            raw = path.read_bytes()[: d.max_bytes]
         else:
             raw = stdlib_corpus(d.max_bytes)
         tokens = np.frombuffer(raw, dtype=np.uint8)

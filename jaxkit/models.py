@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from jaxkit.config import ConfigError
 from jaxkit.mesh import RULES
 
 
@@ -111,7 +112,7 @@ class TransformerLM(nnx.Module):
         rngs: nnx.Rngs,
     ):
         if d_model % num_heads:
-            raise ValueError(f"model.d_model={d_model} is not divisible by num_heads={num_heads}")
+            raise ConfigError(f"model.d_model={d_model} is not divisible by num_heads={num_heads}")
         embed_init = nnx.initializers.normal(stddev=0.02)
         self.embed = nnx.Embed(
             vocab_size,
@@ -144,7 +145,7 @@ def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module
         )
     if m.kind == "mlp":
         return MLPClassifier(d.num_features, m.hidden_size, m.num_layers, m.num_classes, rngs=rngs)
-    raise ValueError(f"model.kind={m.kind!r} is not one of transformer, mlp")
+    raise ConfigError(f"model.kind={m.kind!r} is not one of transformer, mlp")
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan
+from jaxkit.config import ConfigError
 from jaxkit.models import build_model, cross_entropy
 
 
@@ -72,7 +73,7 @@ def make_optimizer(
         decay = optax.add_decayed_weights(o.weight_decay, mask=_is_matrix)
         inner = optax.chain(decay, optax.sgd(schedule, momentum=o.momentum or None))
     else:
-        raise ValueError(f"optimizer.name={o.name!r} is not one of adamw, sgd")
+        raise ConfigError(f"optimizer.name={o.name!r} is not one of adamw, sgd")
     clip = optax.clip_by_global_norm(o.grad_clip_norm) if o.grad_clip_norm > 0 else optax.identity()
     inner = optax.chain(record_grad_norm(), clip, inner)
     return optax.MultiSteps(inner, every_k_schedule=plan.grad_accum_steps), schedule

@@ -111,3 +111,9 @@ def test_train_writes_config_plan_and_metrics(tmp_path):
     assert train_records[1]["tokens_seen"] == 256 * 128
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["eval_loss"] == eval_records[-1]["eval_loss"] and summary["unigram_entropy"] > 2
+
+
+def test_train_reports_bad_choices_without_a_traceback(tmp_path):
+    out = jaxkit("train", "mlp_digits", "model.kind=cnn", "--workdir", str(tmp_path / "r"))
+    assert out.returncode == 2 and "model.kind='cnn' is not one of transformer, mlp" in out.stderr
+    assert "Traceback" not in out.stderr

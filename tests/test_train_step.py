@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from jaxkit.batch_plan import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import ConfigError, apply_overrides, load_config
 from jaxkit.data import load_micro_batch, make_sources
 from jaxkit.loop import NonFiniteLossError, train
 from jaxkit.mesh import make_mesh, mesh_shape
@@ -84,3 +84,20 @@ def test_run_stops_with_a_clear_error_after_non_finite_losses_in_a_row():
     )
     with pytest.raises(NonFiniteLossError, match="3 non-finite micro-batches in a row"):
         train(config, progress=False, echo=lambda *a: None)
+
+
+def test_sgd_with_momentum_trains_through_multisteps():
+    config = digits(
+        "optimizer.name=sgd",
+        "optimizer.learning_rate=0.1",
+        "train.steps=30",
+        "train.log_every=30",
+        "batch.per_device_batch_size=2",
+    )
+    result = train(config, progress=False, echo=lambda *a: None)
+    assert result.plan.grad_accum_steps == 2
+    losses = [r["loss"] for r in result.records if "loss" in r]
+    assert losses[-1] < 1.0  # from log(10) = 2.30 at init
+    assert result.summary["eval_accuracy"] > 0.8
+    with pytest.raises(ConfigError, match="not one of adamw, sgd"):
+        train(digits("optimizer.name=lion"), progress=False, echo=lambda *a: None)
