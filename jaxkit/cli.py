@@ -48,7 +48,26 @@ def make_parser() -> argparse.ArgumentParser:
         "--workdir", metavar="DIR", help="where to write (default runs/CONFIG-TIMESTAMP)"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    report = sub.add_parser(
+        "report", help="plots and a Markdown summary of one or more run directories"
+    )
+    report.add_argument("workdirs", nargs="+", metavar="WORKDIR")
+    report.add_argument(
+        "--out", metavar="DIR", help="where to write (default: WORKDIR/report of the first run)"
+    )
     return parser
+
+
+def _report(opts: argparse.Namespace) -> int:
+    from jaxkit.report import ReportError, write_report
+
+    try:
+        out = write_report(opts.workdirs, opts.out)
+    except ReportError as err:
+        print(f"jaxkit: error: {err}", file=sys.stderr)
+        return 2
+    print(f"report: {out / 'report.md'}")
+    return 0
 
 
 def _split_args(args: list[str]) -> tuple[str, list[str]]:
@@ -73,6 +92,8 @@ def _start_jax(host_devices: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     opts = parser.parse_args(argv)
+    if opts.command == "report":
+        return _report(opts)  # reads files only: JAX need not start
     _start_jax(opts.host_devices)
 
     from jaxkit import mesh as mesh_lib

@@ -60,6 +60,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 0  # optimizer steps between evals; 0 = only at the end
     c.train.eval_batches = 0  # micro-batches of held-out data per eval; 0 = all of it
     c.train.max_nonfinite_in_row = 10  # stop after this many non-finite micro-batches in a row
+    c.train.profile_steps = ""  # "START:END": trace optimizer steps START..END-1; "" = off
     return c
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -23,7 +24,7 @@ import tqdm
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan, plan_from_config
-from jaxkit.config import config_to_json
+from jaxkit.config import ConfigError, config_to_json
 from jaxkit.metrics import RunDir
 from jaxkit.train_step import Setup, TrainState, build
 
@@ -128,6 +129,23 @@ class _StepTracker:
         self.window_times = []
 
 
+def parse_profile_steps(text: str, steps: int) -> tuple[int, int] | None:
+    """`train.profile_steps="START:END"`: optimizer steps START..END-1 (0-based); "" = off."""
+    if not text:
+        return None
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ConfigError(
+            f"train.profile_steps={text!r} is not START:END (e.g. 10:12 traces steps 10 and 11)"
+        ) from None
+    if not 0 <= start < end <= steps:
+        raise ConfigError(
+            f"train.profile_steps={text!r} needs 0 <= START < END <= train.steps={steps}"
+        )
+    return start, end
+
+
 def train(
     config: ml_collections.ConfigDict,
     workdir: str | os.PathLike | None = None,
@@ -137,20 +155,26 @@ def train(
     echo: Callable[[str], None] = print,
 ) -> RunResult:
     """Trains `config` on a mesh of `devices` (default: all) and writes to `workdir`."""
+    parse_profile_steps(config.train.profile_steps, config.train.steps)  # fail before work
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
     train_source, eval_source = data_lib.make_sources(config)
     data_lib.check_sources(train_source, eval_source, plan)
     setup = build(config, plan, mesh)
-    run_dir = RunDir(workdir) if workdir is not None else None
+    run_dir = RunDir(workdir) if workdir is not None and jax.process_index() == 0 else None
     if run_dir:
         run_dir.write_json("config.json", config_to_json(config))
         run_dir.write_json("plan.json", plan.to_json())
+        run_dir.write_text("plan", "\n".join("    " + line for line in plan.table().splitlines()))
+        run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())
 
     t, seed = config.train, config.train.seed
     accum_steps = plan.grad_accum_steps
+    profile = parse_profile_steps(t.profile_steps, t.steps)
+    if profile and workdir is None:
+        raise ConfigError("train.profile_steps writes to WORKDIR/profile/: give a workdir")
     records: list[dict] = []
 
     def emit(record: dict) -> None:
@@ -166,25 +190,46 @@ def train(
         total=t.steps, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True
     )
     pending = None  # (step, micro, metrics) dispatched but not yet fetched
+
+    def drain() -> None:
+        """Waits for the last dispatched micro-step and takes its metrics."""
+        nonlocal pending
+        if pending is not None:
+            _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
+            pending = None
+
+    profile_dir = pathlib.Path(workdir, "profile") if workdir is not None else None
+    tracing = False
     try:
         for step in range(t.steps):
-            for micro in range(accum_steps):
-                batch = data_lib.load_micro_batch(
-                    train_source, step, micro, plan, seed, setup.batch_sharding
-                )
-                state, metrics = setup.step(state, batch)
-                if pending is not None:
-                    _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
-                pending = (step, micro, metrics)
+            if profile and step == profile[0] and profile_dir is not None:
+                drain()  # the trace starts with the devices idle, at a step boundary
+                jax.profiler.start_trace(str(profile_dir))
+                tracing = True
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                for micro in range(accum_steps):
+                    batch = data_lib.load_micro_batch(
+                        train_source, step, micro, plan, seed, setup.batch_sharding
+                    )
+                    state, metrics = setup.step(state, batch)
+                    if pending is not None:
+                        _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
+                    pending = (step, micro, metrics)
             done = step + 1
-            eval_due = done == t.steps or (t.eval_every and done % t.eval_every == 0)
-            if eval_due and pending:  # evaluate these params before the next step changes them
-                _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
-                pending = None
+            if tracing and profile and done == profile[1]:
+                drain()
+                jax.profiler.stop_trace()
+                tracing = False
+                echo(f"profile of optimizer steps {profile[0]}:{profile[1]} in {profile_dir}")
+                tracker.restart_clock()
+            if done == t.steps or (t.eval_every and done % t.eval_every == 0):
+                drain()  # evaluate these params before the next step changes them
                 result = evaluate(setup, state.params, eval_source, plan, t.eval_batches)
                 emit(_eval_record(done, plan, result))
                 tracker.restart_clock()
     finally:
+        if tracing:
+            jax.profiler.stop_trace()
         bar.close()
         if run_dir:
             run_dir.close()

@@ -1,4 +1,5 @@
-"""The run directory: resolved config, batch plan, metrics as JSON lines, summary."""
+"""The run directory: resolved config, batch plan, metrics as JSON lines and TensorBoard
+scalars, summary. Only process 0 writes one."""
 
 from __future__ import annotations
 
@@ -6,6 +7,20 @@ import json
 import math
 import os
 import pathlib
+
+import tensorboardX
+
+# metrics.jsonl key -> TensorBoard tag, for train records and eval records.
+TRAIN_TAGS = {
+    "loss": "train/loss",
+    "learning_rate": "train/learning_rate",
+    "grad_norm": "train/grad_norm",
+    "skipped_micro_batches": "train/skipped_micro_batches",
+    "examples_per_s": "throughput/examples_per_s",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "step_time_s": "throughput/step_time_s",
+}
+EVAL_TAGS = {"eval_loss": "eval/loss", "eval_accuracy": "eval/accuracy"}
 
 
 def _jsonable(value: object) -> object:
@@ -22,22 +37,46 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         # Held open for the run and flushed per line; close() ends it.
         self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        # tensorboardX writes TensorBoard event files without TensorFlow.
+        self._tensorboard = tensorboardX.SummaryWriter(str(self.path / "tensorboard"))
 
     def write_json(self, name: str, obj: dict) -> None:
         tmp = self.path / f".{name}.tmp"
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
         tmp.replace(self.path / name)  # atomic: a crash never leaves half a file
 
+    def write_text(self, tag: str, markdown: str) -> None:
+        """Text for TensorBoard's text tab (the plan table, the resolved config)."""
+        self._tensorboard.add_text(tag, markdown, global_step=0)
+
     def log(self, record: dict) -> None:
         clean = {k: _jsonable(v) for k, v in record.items()}
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
+        tags = EVAL_TAGS if "eval_loss" in record else TRAIN_TAGS
+        for key, tag in tags.items():
+            if key in record:
+                self._tensorboard.add_scalar(tag, record[key], global_step=record["step"])
+        self._tensorboard.flush()
 
     def close(self) -> None:
         self._metrics.close()
+        self._tensorboard.close()
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:
-    """Every record of a run's metrics.jsonl (train and eval records interleaved)."""
+    """Every record of a run's metrics.jsonl, train and eval interleaved.
+
+    Works on a run that is still writing or was killed: a last line cut short is skipped.
+    """
     lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return records

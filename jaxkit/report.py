@@ -1,0 +1,124 @@
+"""`jaxkit report`: plots and a Markdown summary for one or several run directories.
+
+Reads only what a run writes as it goes (plan.json, metrics.jsonl, and summary.json when
+the run has finished), so it works on a run that is still going or was interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+
+from matplotlib.figure import Figure  # no pyplot: no global backend state, no display needed
+
+from jaxkit.metrics import read_metrics
+
+PLOTS = ("loss_vs_step.png", "loss_vs_examples.png", "throughput.png")
+
+
+class ReportError(ValueError):
+    """A directory that is not a jaxkit run."""
+
+
+def load_run(workdir: str | os.PathLike) -> dict:
+    path = pathlib.Path(workdir)
+    if not (path / "metrics.jsonl").is_file():
+        raise ReportError(f"{path} has no metrics.jsonl: not a jaxkit run directory")
+    run = {"name": path.name, "path": path, "records": read_metrics(path)}
+    for key in ("plan", "summary", "config"):
+        file = path / f"{key}.json"
+        run[key] = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+    return run
+
+
+def _series(records: list[dict], key: str, x: str) -> tuple[list, list]:
+    points = [(r[x], r[key]) for r in records if key in r and isinstance(r[key], (int, float))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _plot(runs: list[dict], out: pathlib.Path, x: str, xlabel: str, name: str) -> None:
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    for run in runs:
+        line = ax.plot(*_series(run["records"], "loss", x), label=f"{run['name']} train")[0]
+        ax.plot(
+            *_series(run["records"], "eval_loss", x),
+            "o--",
+            color=line.get_color(),
+            label=f"{run['name']} eval",
+        )
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+
+
+def _plot_throughput(runs: list[dict], out: pathlib.Path) -> None:
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    for run in runs:
+        ax.plot(*_series(run["records"], "examples_per_s", "step"), label=run["name"])
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("examples / s (mean over each log window)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out / PLOTS[2], dpi=110)
+
+
+def _fmt(value: object, spec: str = ".4f") -> str:
+    return "—" if value is None else format(value, spec) if isinstance(value, float) else str(value)
+
+
+def summary_row(run: dict) -> dict:
+    train = [r for r in run["records"] if "loss" in r]
+    evals = [r for r in run["records"] if "eval_loss" in r]
+    plan = run["plan"] or {}
+    times = [r["step_time_s"] for r in train[1:]]  # the first window includes compilation
+    step_time = statistics.median(times) if times else None
+    return {
+        "run": run["name"],
+        "status": "finished" if run["summary"] else "running or interrupted",
+        "devices": plan.get("data_parallel_size"),
+        "per_device": plan.get("per_device_batch_size"),
+        "accum": plan.get("grad_accum_steps"),
+        "global_batch": plan.get("global_batch_size"),
+        "steps": train[-1]["step"] if train else 0,
+        "final_loss": train[-1]["loss"] if train else None,
+        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "median_step_time_s": step_time,
+        "examples_per_s": plan["global_batch_size"] / step_time if step_time and plan else None,
+    }
+
+
+def write_report(
+    workdirs: list[str | os.PathLike], out: str | os.PathLike | None = None
+) -> pathlib.Path:
+    """Writes the PNG plots and report.md for the runs; returns the report directory."""
+    runs = [load_run(w) for w in workdirs]
+    out_dir = pathlib.Path(out) if out else runs[0]["path"] / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _plot(runs, out_dir, "step", "optimizer step", PLOTS[0])
+    _plot(runs, out_dir, "examples_seen", "examples seen", PLOTS[1])
+    _plot_throughput(runs, out_dir)
+
+    rows = [summary_row(run) for run in runs]
+    header = list(rows[0])
+    lines = [
+        "# jaxkit report",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for row in rows:
+        cells = [_fmt(row[k], ".1f" if k == "examples_per_s" else ".4f") for k in header]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Loss against optimizer steps and against examples seen (eval dashed):", ""]
+    lines += [f"![{name}]({name})" for name in PLOTS[:2]]
+    lines += ["", "Throughput over the run:", "", f"![{PLOTS[2]}]({PLOTS[2]})", ""]
+    (out_dir / "report.md").write_text("\n".join(lines), encoding="utf-8")
+    return out_dir

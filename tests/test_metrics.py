@@ -1,0 +1,67 @@
+"""The run directory as TensorBoard and a profiler see it."""
+
+import json
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from jaxkit.config import ConfigError, apply_overrides, load_config
+from jaxkit.loop import parse_profile_steps, train
+from jaxkit.metrics import read_metrics
+
+
+def digits_run(workdir, *overrides):
+    config = load_config("mlp_digits")
+    apply_overrides(
+        config, ["train.steps=6", "train.log_every=2", "train.eval_every=3", *overrides]
+    )
+    return train(config, workdir, progress=False, echo=lambda *a: None)
+
+
+def test_tensorboard_scalars_and_text_match_the_metrics(tmp_path):
+    result = digits_run(tmp_path)
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {
+        "train/loss",
+        "train/learning_rate",
+        "train/grad_norm",
+        "train/skipped_micro_batches",
+        "throughput/examples_per_s",
+        "eval/loss",
+        "eval/accuracy",
+    } <= tags
+    train_records = [r for r in result.records if "loss" in r]
+    loss_events = events.Scalars("train/loss")
+    assert [e.step for e in loss_events] == [2, 4, 6] == [r["step"] for r in train_records]
+    for event, record in zip(loss_events, train_records, strict=True):
+        assert event.value == pytest.approx(record["loss"], rel=1e-6)  # stored as float32
+    evals = [r for r in result.records if "eval_loss" in r]
+    assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
+    assert events.Scalars("eval/accuracy")[-1].value == pytest.approx(evals[-1]["eval_accuracy"])
+    assert {"plan/text_summary", "config/text_summary"} <= set(events.Tags()["tensors"])
+    plan_text = events.Tensors("plan/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "global_batch_size" in plan_text and "= 8 × 4 × 1" in plan_text
+
+
+def test_profile_steps_write_a_trace_of_the_window(tmp_path):
+    digits_run(tmp_path, "train.profile_steps=2:4")
+    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    assert len(read_metrics(tmp_path)) == 5  # the run itself went on as usual
+
+
+@pytest.mark.parametrize(
+    "text,match", [("2", "is not START:END"), ("4:2", "0 <= START < END"), ("0:99", "<= train")]
+)
+def test_bad_profile_windows_are_config_errors(text, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_profile_steps(text, 10)
+    assert parse_profile_steps("", 10) is None and parse_profile_steps("3:5", 10) == (3, 5)
+
+
+def test_metrics_of_an_interrupted_run_are_readable(tmp_path):
+    lines = [json.dumps({"step": 1, "loss": 2.0}), json.dumps({"step": 2, "loss": 1.5})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
