@@ -204,7 +204,7 @@ def train(
         for step in range(t.steps):
             if profile and step == profile[0] and profile_dir is not None:
                 drain()  # the trace starts with the devices idle, at a step boundary
-                jax.profiler.start_trace(str(profile_dir))
+                jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
                 tracing = True
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 for micro in range(accum_steps):

@@ -47,8 +47,9 @@ def test_tensorboard_scalars_and_text_match_the_metrics(tmp_path):
 
 def test_profile_steps_write_a_trace_of_the_window(tmp_path):
     digits_run(tmp_path, "train.profile_steps=2:4")
-    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
-    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    for pattern in ("*.xplane.pb", "perfetto_trace.json.gz"):  # xprof and Perfetto
+        traces = list((tmp_path / "profile").rglob(pattern))
+        assert len(traces) == 1 and traces[0].stat().st_size > 0, pattern
     assert len(read_metrics(tmp_path)) == 5  # the run itself went on as usual
 
 
