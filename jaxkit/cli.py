@@ -48,6 +48,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--workdir", metavar="DIR", help="where to write (default runs/CONFIG-TIMESTAMP)"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="resume even if the global batch changes (learning rate rescaled by the policy)",
+    )
     report = sub.add_parser(
         "report", help="plots and a Markdown summary of one or more run directories"
     )
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxkit import mesh as mesh_lib
     from jaxkit.batch_plan import BatchPlanError, plan_from_config
+    from jaxkit.checkpoint import CheckpointError
     from jaxkit.config import ConfigError, apply_overrides, load_config
     from jaxkit.data import DataError
 
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(plan.table())
             return 0
         return _train(config, opts)
-    except (ConfigError, BatchPlanError, mesh_lib.MeshError, DataError) as err:
+    except (ConfigError, BatchPlanError, mesh_lib.MeshError, DataError, CheckpointError) as err:
         print(f"jaxkit: error: {err}", file=sys.stderr)
         return 2
 
@@ -130,7 +136,12 @@ def _train(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
         workdir = os.path.join("runs", f"{config.name}-{stamp}")
     print(f"workdir: {pathlib.Path(workdir).resolve()}")
     try:
-        train(config, workdir, progress=not opts.no_progress)
+        train(
+            config,
+            workdir,
+            progress=not opts.no_progress,
+            allow_batch_change=opts.allow_batch_change,
+        )
     except NonFiniteLossError as err:
         print(f"jaxkit: error: {err}", file=sys.stderr)
         return 3

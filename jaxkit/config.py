@@ -61,6 +61,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_batches = 0  # micro-batches of held-out data per eval; 0 = all of it
     c.train.max_nonfinite_in_row = 10  # stop after this many non-finite micro-batches in a row
     c.train.profile_steps = ""  # "START:END": trace optimizer steps START..END-1; "" = off
+
+    # With a workdir, a run also checkpoints on SIGTERM/SIGINT and at the end.
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 100  # optimizer steps between asynchronous saves; 0 = only those two
+    c.checkpoint.keep = 3  # newest checkpoints kept
     return c
 
 

@@ -7,13 +7,17 @@ that fetch is where non-finite losses are caught.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 import pathlib
+import signal
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +28,7 @@ import tqdm
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan, plan_from_config
+from jaxkit.checkpoint import Checkpointer, resume
 from jaxkit.config import ConfigError, config_to_json
 from jaxkit.metrics import RunDir
 from jaxkit.train_step import Setup, TrainState, build
@@ -39,6 +44,7 @@ class RunResult:
     state: TrainState
     records: list[dict]  # every train and eval record, as written to metrics.jsonl
     summary: dict
+    stopped: bool = False  # by SIGTERM/SIGINT (or stop_after_micro_steps), after saving
 
 
 def evaluate(
@@ -71,7 +77,29 @@ class _StepTracker:
         self.nonfinite_in_row = 0
         self.skipped = 0
         self.first_step_s = 0.0  # the first optimizer step, compilation included
+        self.first_step_done = False
         self.last_mark = time.perf_counter()
+        # Where this process started counting: optimizer steps and examples before it.
+        self.base_step, self.base_examples = 0, 0
+
+    def loop_state(self, step: int) -> dict:
+        """What a checkpoint needs to continue these metrics exactly."""
+        return {
+            "step": step,
+            "partial_step_losses": list(self.losses),  # micro-batches of an unfinished step
+            "skipped_micro_batches": self.skipped,
+            "nonfinite_in_row": self.nonfinite_in_row,
+            "examples_seen": self.base_examples + (step - self.base_step) * self._global(),
+        }
+
+    def load_loop_state(self, saved: dict) -> None:
+        self.losses = [float(x) for x in saved["partial_step_losses"]]
+        self.skipped = int(saved["skipped_micro_batches"])
+        self.nonfinite_in_row = int(saved["nonfinite_in_row"])
+        self.base_step, self.base_examples = int(saved["step"]), int(saved["examples_seen"])
+
+    def _global(self) -> int:
+        return self.plan.global_batch_size
 
     def restart_clock(self) -> None:
         self.last_mark = time.perf_counter()
@@ -97,7 +125,8 @@ class _StepTracker:
         done = step + 1
         now = time.perf_counter()
         elapsed, self.last_mark = now - self.last_mark, now
-        if done == 1:
+        if not self.first_step_done:
+            self.first_step_done = True
             self.first_step_s = elapsed  # includes compilation: kept out of throughput
         else:
             self.window_times.append(elapsed)
@@ -115,13 +144,13 @@ class _StepTracker:
             "loss": float(np.mean(self.losses)),  # mean over the global batch
             "learning_rate": float(self.setup.schedule(done - 1)),
             "grad_norm": grad_norm,
-            "examples_seen": done * plan.global_batch_size,
+            "examples_seen": self.base_examples + (done - self.base_step) * self._global(),
             "step_time_s": step_time,
             "examples_per_s": plan.global_batch_size / step_time,
             "skipped_micro_batches": self.skipped,
         }
-        if plan.tokens_per_step is not None:
-            record["tokens_seen"] = done * plan.tokens_per_step
+        if plan.seq_len is not None and plan.tokens_per_step is not None:
+            record["tokens_seen"] = record["examples_seen"] * plan.seq_len
             record["tokens_per_s"] = plan.tokens_per_step / step_time
         return record
 
@@ -153,28 +182,58 @@ def train(
     devices: Sequence[jax.Device] | None = None,
     progress: bool = True,
     echo: Callable[[str], None] = print,
+    allow_batch_change: bool = False,
+    stop_after_micro_steps: int | None = None,
 ) -> RunResult:
-    """Trains `config` on a mesh of `devices` (default: all) and writes to `workdir`."""
+    """Trains `config` on a mesh of `devices` (default: all), writing to `workdir`.
+
+    With a workdir, the run checkpoints (every `checkpoint.every` optimizer steps, on SIGTERM
+    or SIGINT, and at the end) and resumes from the workdir's latest checkpoint, also on
+    another device count. `stop_after_micro_steps` stops as a preemption would, after that
+    many micro-steps in all (for tests and notebooks).
+    """
     parse_profile_steps(config.train.profile_steps, config.train.steps)  # fail before work
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
     train_source, eval_source = data_lib.make_sources(config)
     data_lib.check_sources(train_source, eval_source, plan)
     setup = build(config, plan, mesh)
-    run_dir = RunDir(workdir) if workdir is not None and jax.process_index() == 0 else None
-    if run_dir:
-        run_dir.write_json("config.json", config_to_json(config))
-        run_dir.write_json("plan.json", plan.to_json())
-        run_dir.write_text("plan", "\n".join("    " + line for line in plan.table().splitlines()))
-        run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
-    echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
-    echo(plan.table())
-
     t, seed = config.train, config.train.seed
     accum_steps = plan.grad_accum_steps
     profile = parse_profile_steps(t.profile_steps, t.steps)
     if profile and workdir is None:
         raise ConfigError("train.profile_steps writes to WORKDIR/profile/: give a workdir")
+
+    echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
+    echo(plan.table())
+    tracker = _StepTracker(config, plan, setup)
+    checkpointer, restored = None, None
+    if workdir is not None:
+        checkpointer = Checkpointer(
+            pathlib.Path(workdir, "checkpoints"), config.checkpoint.keep, warn=echo
+        )
+        restored = resume(checkpointer, setup, config, plan, allow_batch_change, echo)
+    start_micro_step = 0
+    if restored is not None:
+        state, start_micro_step = restored.state, restored.micro_step
+        tracker.load_loop_state(restored.meta["loop"])
+    else:
+        state = setup.init(jax.random.key(seed))
+    start_step, start_micro = divmod(start_micro_step, accum_steps)
+    if start_step >= t.steps and workdir is not None:
+        echo(f"{workdir} holds a finished run of {t.steps} steps; nothing to do")
+        summary_file = pathlib.Path(workdir, "summary.json")
+        summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+        return RunResult(plan=plan, state=state, records=[], summary=summary)
+
+    run_dir = None
+    if workdir is not None and jax.process_index() == 0:
+        # Whatever an earlier attempt logged past the step this run starts from goes.
+        run_dir = RunDir(workdir, resume_after_step=start_step)
+        run_dir.write_json("config.json", config_to_json(config))
+        run_dir.write_json("plan.json", plan.to_json())
+        run_dir.write_text("plan", "\n".join("    " + line for line in plan.table().splitlines()))
+        run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
     records: list[dict] = []
 
     def emit(record: dict) -> None:
@@ -183,11 +242,24 @@ def train(
             run_dir.log(record)
         (bar.write if progress else echo)(_format_record(record))
 
+    def save(micro_steps_done: int, *, wait: bool = False) -> None:
+        if checkpointer is None:
+            return
+        meta = {
+            "config": config_to_json(config),
+            "plan": plan.to_json(),
+            "loop": tracker.loop_state(micro_steps_done // accum_steps),
+        }
+        checkpointer.save(micro_steps_done, state, meta, wait=wait)
+
     start = time.perf_counter()
-    state = setup.init(jax.random.key(seed))
-    tracker = _StepTracker(config, plan, setup)
     bar = tqdm.tqdm(
-        total=t.steps, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True
+        total=t.steps,
+        initial=start_step,
+        unit="step",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
     )
     pending = None  # (step, micro, metrics) dispatched but not yet fetched
 
@@ -199,45 +271,103 @@ def train(
             pending = None
 
     profile_dir = pathlib.Path(workdir, "profile") if workdir is not None else None
-    tracing = False
-    try:
-        for step in range(t.steps):
-            if profile and step == profile[0] and profile_dir is not None:
-                drain()  # the trace starts with the devices idle, at a step boundary
-                jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
-                tracing = True
-            with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                for micro in range(accum_steps):
-                    batch = data_lib.load_micro_batch(
-                        train_source, step, micro, plan, seed, setup.batch_sharding
-                    )
-                    state, metrics = setup.step(state, batch)
-                    if pending is not None:
-                        _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
-                    pending = (step, micro, metrics)
-            done = step + 1
-            if tracing and profile and done == profile[1]:
-                drain()
+    tracing, stop_signal = False, None
+    with _stop_requests() as stop:
+        try:
+            for step in range(start_step, t.steps):
+                if profile and step == profile[0] and profile_dir is not None:
+                    drain()  # the trace starts with the devices idle, at a step boundary
+                    jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
+                    tracing = True
+                with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                    first_micro = start_micro if step == start_step else 0
+                    for micro in range(first_micro, accum_steps):
+                        batch = data_lib.load_micro_batch(
+                            train_source, step, micro, plan, seed, setup.batch_sharding
+                        )
+                        state, metrics = setup.step(state, batch)
+                        if pending is not None:
+                            _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
+                        pending = (step, micro, metrics)
+                        done_micro = step * accum_steps + micro + 1
+                        if stop_after_micro_steps == done_micro:
+                            stop.append("stop_after_micro_steps")
+                        if stop and micro < accum_steps - 1:  # mid-step: save right here
+                            stop_signal = stop[0]
+                            drain()
+                            save(done_micro, wait=True)
+                            break
+                    if stop_signal:
+                        break
+                done = step + 1
+                if tracing and profile and done == profile[1]:
+                    drain()
+                    jax.profiler.stop_trace()
+                    tracing = False
+                    echo(f"profile of optimizer steps {profile[0]}:{profile[1]} in {profile_dir}")
+                    tracker.restart_clock()
+                if done == t.steps or (t.eval_every and done % t.eval_every == 0):
+                    drain()  # evaluate these params before the next step changes them
+                    result = evaluate(setup, state.params, eval_source, plan, t.eval_batches)
+                    emit(_eval_record(done, plan, result, tracker))
+                    tracker.restart_clock()
+                every = config.checkpoint.every
+                if stop or done == t.steps or (every and done % every == 0):
+                    drain()  # the saved loop state must include this step's losses
+                    save(done * accum_steps, wait=bool(stop) or done == t.steps)
+                    if stop:
+                        stop_signal = stop[0]
+                        break
+        finally:
+            if tracing:
                 jax.profiler.stop_trace()
-                tracing = False
-                echo(f"profile of optimizer steps {profile[0]}:{profile[1]} in {profile_dir}")
-                tracker.restart_clock()
-            if done == t.steps or (t.eval_every and done % t.eval_every == 0):
-                drain()  # evaluate these params before the next step changes them
-                result = evaluate(setup, state.params, eval_source, plan, t.eval_batches)
-                emit(_eval_record(done, plan, result))
-                tracker.restart_clock()
-    finally:
-        if tracing:
-            jax.profiler.stop_trace()
-        bar.close()
-        if run_dir:
-            run_dir.close()
+            bar.close()
+            if checkpointer:
+                checkpointer.close()  # waits for a save still being written
+            if run_dir:
+                run_dir.close()
+    if stop_signal:
+        saved = checkpointer.steps()[-1] if checkpointer else None
+        echo(
+            f"stopped by {stop_signal}: saved checkpoint at micro-step {saved} "
+            f"(optimizer step {tracker.base_step if saved is None else saved // accum_steps}); "
+            "run the same command to resume"
+            if saved is not None
+            else f"stopped by {stop_signal}; no workdir, nothing saved"
+        )
+        return RunResult(plan=plan, state=state, records=records, summary={}, stopped=True)
     summary = _summary(config, plan, records, tracker, eval_source, time.perf_counter() - start)
+    if checkpointer:
+        summary["checkpoint_blocking_s"] = checkpointer.blocking_s
+        summary["checkpoints_saved"] = checkpointer.saves
     if run_dir:
         run_dir.write_json("summary.json", summary)
     echo(format_summary(summary))
     return RunResult(plan=plan, state=state, records=records, summary=summary)
+
+
+@contextlib.contextmanager
+def _stop_requests() -> Iterator[list[str]]:
+    """A list that SIGTERM (what a Cloud TPU preemption sends) or SIGINT appends to.
+
+    The loop checks it after every micro-step and then saves and returns; a second signal
+    while saving is absorbed, so the checkpoint is finished rather than torn.
+    """
+    requests: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield requests  # signals reach only the main thread
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        del frame
+        requests.append(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield requests
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _finish(
@@ -260,11 +390,11 @@ def _finish(
         tracker.close_window()
 
 
-def _eval_record(done: int, plan: BatchPlan, result: dict) -> dict:
+def _eval_record(done: int, plan: BatchPlan, result: dict, tracker: _StepTracker) -> dict:
     record = {"step": done, "micro_step": done * plan.grad_accum_steps, **result}
-    record["examples_seen"] = done * plan.global_batch_size
-    if plan.tokens_per_step is not None:
-        record["tokens_seen"] = done * plan.tokens_per_step
+    record["examples_seen"] = tracker.loop_state(done)["examples_seen"]
+    if plan.seq_len is not None:
+        record["tokens_seen"] = record["examples_seen"] * plan.seq_len
     return record
 
 

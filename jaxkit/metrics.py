@@ -32,13 +32,28 @@ def _jsonable(value: object) -> object:
 class RunDir:
     """Writes a run's files; every metrics line is flushed as soon as it is written."""
 
-    def __init__(self, workdir: str | os.PathLike):
+    def __init__(self, workdir: str | os.PathLike, resume_after_step: int | None = None):
+        """`resume_after_step`: drop what was logged after that step (a resumed run logs it
+        again, from its checkpoint)."""
         self.path = pathlib.Path(workdir)
         self.path.mkdir(parents=True, exist_ok=True)
+        metrics = self.path / "metrics.jsonl"
+        if resume_after_step is not None and metrics.exists():
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_after_step]
+            self.write_lines("metrics.jsonl", [json.dumps(r) for r in kept])
         # Held open for the run and flushed per line; close() ends it.
-        self._metrics = open(self.path / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        # tensorboardX writes TensorBoard event files without TensorFlow.
-        self._tensorboard = tensorboardX.SummaryWriter(str(self.path / "tensorboard"))
+        self._metrics = open(metrics, "a", encoding="utf-8")  # noqa: SIM115
+        # tensorboardX writes TensorBoard event files without TensorFlow; purge_step makes
+        # TensorBoard hide what an earlier attempt logged past the resumed step.
+        self._tensorboard = tensorboardX.SummaryWriter(
+            str(self.path / "tensorboard"),
+            purge_step=None if resume_after_step is None else resume_after_step + 1,
+        )
+
+    def write_lines(self, name: str, lines: list[str]) -> None:
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        tmp.replace(self.path / name)  # atomic: a crash never leaves half a file
 
     def write_json(self, name: str, obj: dict) -> None:
         tmp = self.path / f".{name}.tmp"
