@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
-    from jaxkit.loop import NonFiniteLossError, train
+    from jaxkit.loop import train
+    from jaxkit.records import NonFiniteLossError
 
     workdir = opts.workdir
     if workdir is None:

@@ -13,7 +13,6 @@ import json
 import os
 import pathlib
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -31,11 +30,14 @@ from jaxkit.batch_plan import BatchPlan, plan_from_config
 from jaxkit.checkpoint import Checkpointer, resume
 from jaxkit.config import ConfigError, config_to_json
 from jaxkit.metrics import RunDir
+from jaxkit.records import (
+    StepTracker,
+    eval_record,
+    format_record,
+    format_summary,
+    summarize,
+)
 from jaxkit.train_step import Setup, TrainState, build
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many non-finite micro-batches in a row."""
 
 
 @dataclasses.dataclass
@@ -62,100 +64,6 @@ def evaluate(
         "eval_loss": float(np.mean([r["loss"] for r in fetched])),
         "eval_accuracy": float(np.mean([r["accuracy"] for r in fetched])),
     }
-
-
-class _StepTracker:
-    """Host-side bookkeeping for fetched micro-steps: losses, timing, non-finite streaks."""
-
-    def __init__(self, config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup):
-        self.plan, self.setup = plan, setup
-        self.log_every = config.train.log_every
-        self.max_nonfinite = config.train.max_nonfinite_in_row
-        self.losses: list[float] = []
-        self.window_times: list[float] = []
-        self.all_times: list[float] = []
-        self.nonfinite_in_row = 0
-        self.skipped = 0
-        self.first_step_s = 0.0  # the first optimizer step, compilation included
-        self.first_step_done = False
-        self.last_mark = time.perf_counter()
-        # Where this process started counting: optimizer steps and examples before it.
-        self.base_step, self.base_examples = 0, 0
-
-    def loop_state(self, step: int) -> dict:
-        """What a checkpoint needs to continue these metrics exactly."""
-        return {
-            "step": step,
-            "partial_step_losses": list(self.losses),  # micro-batches of an unfinished step
-            "skipped_micro_batches": self.skipped,
-            "nonfinite_in_row": self.nonfinite_in_row,
-            "examples_seen": self.base_examples + (step - self.base_step) * self._global(),
-        }
-
-    def load_loop_state(self, saved: dict) -> None:
-        self.losses = [float(x) for x in saved["partial_step_losses"]]
-        self.skipped = int(saved["skipped_micro_batches"])
-        self.nonfinite_in_row = int(saved["nonfinite_in_row"])
-        self.base_step, self.base_examples = int(saved["step"]), int(saved["examples_seen"])
-
-    def _global(self) -> int:
-        return self.plan.global_batch_size
-
-    def restart_clock(self) -> None:
-        self.last_mark = time.perf_counter()
-
-    def micro_step_done(self, step: int, micro: int, metrics: dict[str, jax.Array]) -> dict | None:
-        """Takes a fetched micro-step; returns the step's record when it ends a log window."""
-        m = jax.device_get(metrics)
-        self.losses.append(float(m["loss"]))
-        if bool(m["finite"]):
-            self.nonfinite_in_row = 0
-        else:
-            self.skipped += 1
-            self.nonfinite_in_row += 1
-            if self.nonfinite_in_row >= self.max_nonfinite:
-                raise NonFiniteLossError(
-                    f"{self.nonfinite_in_row} non-finite micro-batches in a row (step {step}, "
-                    f"micro-step {micro}); last loss {float(m['loss'])}. Lower "
-                    "optimizer.learning_rate or set optimizer.grad_clip_norm; "
-                    "train.max_nonfinite_in_row sets the limit"
-                )
-        if micro < self.plan.grad_accum_steps - 1:
-            return None
-        done = step + 1
-        now = time.perf_counter()
-        elapsed, self.last_mark = now - self.last_mark, now
-        if not self.first_step_done:
-            self.first_step_done = True
-            self.first_step_s = elapsed  # includes compilation: kept out of throughput
-        else:
-            self.window_times.append(elapsed)
-            self.all_times.append(elapsed)
-        record = self._record(done, float(m["grad_norm"]))
-        self.losses = []
-        return record
-
-    def _record(self, done: int, grad_norm: float) -> dict:
-        plan = self.plan
-        step_time = statistics.mean(self.window_times) if self.window_times else self.first_step_s
-        record = {
-            "step": done,
-            "micro_step": done * plan.grad_accum_steps,
-            "loss": float(np.mean(self.losses)),  # mean over the global batch
-            "learning_rate": float(self.setup.schedule(done - 1)),
-            "grad_norm": grad_norm,
-            "examples_seen": self.base_examples + (done - self.base_step) * self._global(),
-            "step_time_s": step_time,
-            "examples_per_s": plan.global_batch_size / step_time,
-            "skipped_micro_batches": self.skipped,
-        }
-        if plan.seq_len is not None and plan.tokens_per_step is not None:
-            record["tokens_seen"] = record["examples_seen"] * plan.seq_len
-            record["tokens_per_s"] = plan.tokens_per_step / step_time
-        return record
-
-    def close_window(self) -> None:
-        self.window_times = []
 
 
 def parse_profile_steps(text: str, steps: int) -> tuple[int, int] | None:
@@ -206,7 +114,7 @@ def train(
 
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())
-    tracker = _StepTracker(config, plan, setup)
+    tracker = StepTracker(config, plan, setup)
     checkpointer, restored = None, None
     if workdir is not None:
         checkpointer = Checkpointer(
@@ -240,7 +148,7 @@ def train(
         records.append(record)
         if run_dir:
             run_dir.log(record)
-        (bar.write if progress else echo)(_format_record(record))
+        (bar.write if progress else echo)(format_record(record))
 
     def save(micro_steps_done: int, *, wait: bool = False) -> None:
         if checkpointer is None:
@@ -309,7 +217,7 @@ def train(
                 if done == t.steps or (t.eval_every and done % t.eval_every == 0):
                     drain()  # evaluate these params before the next step changes them
                     result = evaluate(setup, state.params, eval_source, plan, t.eval_batches)
-                    emit(_eval_record(done, plan, result, tracker))
+                    emit(eval_record(done, plan, result, tracker))
                     tracker.restart_clock()
                 every = config.checkpoint.every
                 if stop or done == t.steps or (every and done % every == 0):
@@ -336,7 +244,7 @@ def train(
             else f"stopped by {stop_signal}; no workdir, nothing saved"
         )
         return RunResult(plan=plan, state=state, records=records, summary={}, stopped=True)
-    summary = _summary(config, plan, records, tracker, eval_source, time.perf_counter() - start)
+    summary = summarize(config, plan, records, tracker, eval_source, time.perf_counter() - start)
     if checkpointer:
         summary["checkpoint_blocking_s"] = checkpointer.blocking_s
         summary["checkpoints_saved"] = checkpointer.saves
@@ -371,7 +279,7 @@ def _stop_requests() -> Iterator[list[str]]:
 
 
 def _finish(
-    tracker: _StepTracker,
+    tracker: StepTracker,
     bar: tqdm.tqdm,
     emit: Callable[[dict], None],
     step: int,
@@ -388,84 +296,3 @@ def _finish(
     if record["step"] % log_every == 0 or record["step"] == steps:
         emit(record)
         tracker.close_window()
-
-
-def _eval_record(done: int, plan: BatchPlan, result: dict, tracker: _StepTracker) -> dict:
-    record = {"step": done, "micro_step": done * plan.grad_accum_steps, **result}
-    record["examples_seen"] = tracker.loop_state(done)["examples_seen"]
-    if plan.seq_len is not None:
-        record["tokens_seen"] = record["examples_seen"] * plan.seq_len
-    return record
-
-
-def _format_record(record: dict) -> str:
-    if "eval_loss" in record:
-        return (
-            f"step {record['step']:>6}  eval_loss {record['eval_loss']:.4f}  "
-            f"eval_accuracy {record['eval_accuracy']:.3f}"
-        )
-    rate = (
-        f"{record['tokens_per_s']:,.0f} tokens/s"
-        if "tokens_per_s" in record
-        else f"{record['examples_per_s']:,.0f} examples/s"
-    )
-    return (
-        f"step {record['step']:>6}  loss {record['loss']:.4f}  lr {record['learning_rate']:.3g}  "
-        f"grad_norm {record['grad_norm']:.3f}  {record['step_time_s'] * 1e3:.1f} ms/step  {rate}"
-    )
-
-
-def _summary(
-    config: ml_collections.ConfigDict,
-    plan: BatchPlan,
-    records: list[dict],
-    tracker: _StepTracker,
-    eval_source: data_lib.Source,
-    wall_s: float,
-) -> dict:
-    train_records = [r for r in records if "loss" in r]
-    eval_records = [r for r in records if "eval_loss" in r]
-    step_time = statistics.median(tracker.all_times) if tracker.all_times else None
-    summary = {
-        "config": config.get("name"),
-        "steps": config.train.steps,
-        "final_loss": train_records[-1]["loss"] if train_records else None,
-        "eval_loss": eval_records[-1]["eval_loss"] if eval_records else None,
-        "eval_accuracy": eval_records[-1]["eval_accuracy"] if eval_records else None,
-        "median_step_time_s": step_time,
-        "examples_per_s": plan.global_batch_size / step_time if step_time else None,
-        "first_step_s": tracker.first_step_s,
-        "skipped_micro_batches": tracker.skipped,
-        "wall_time_s": wall_s,
-    }
-    if plan.tokens_per_step is not None and step_time:
-        summary["tokens_per_s"] = plan.tokens_per_step / step_time
-    if isinstance(eval_source, data_lib.TokenWindows):
-        summary["unigram_entropy"] = eval_source.unigram_entropy()
-    return summary
-
-
-def format_summary(s: dict) -> str:
-    lines = [f"done: {s['steps']} optimizer steps in {s['wall_time_s']:.1f} s"]
-    if s["median_step_time_s"]:
-        rate = f"{s['examples_per_s']:,.1f} examples/s"
-        if "tokens_per_s" in s:
-            rate += f", {s['tokens_per_s']:,.0f} tokens/s"
-        lines.append(
-            f"  median step {s['median_step_time_s'] * 1e3:.1f} ms ({rate}); "
-            f"first step incl. compile {s['first_step_s']:.1f} s"
-        )
-    if s["eval_loss"] is not None:
-        if "unigram_entropy" in s:
-            h = s["unigram_entropy"]
-            lines.append(
-                f"  eval loss {s['eval_loss']:.3f} nats/byte vs unigram entropy {h:.3f} "
-                f"nats/byte of the held-out bytes ({s['eval_loss'] / h:.0%} of it)"
-            )
-        else:
-            lines.append(
-                f"  eval loss {s['eval_loss']:.4f}, eval accuracy {s['eval_accuracy']:.1%}"
-            )
-    if s["skipped_micro_batches"]:
-        lines.append(f"  skipped {s['skipped_micro_batches']} non-finite micro-batches")
-    return "\n".join(lines)

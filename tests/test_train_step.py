@@ -5,8 +5,9 @@ import pytest
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.config import ConfigError, apply_overrides, load_config
 from jaxkit.data import load_micro_batch, make_sources
-from jaxkit.loop import NonFiniteLossError, train
+from jaxkit.loop import train
 from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.records import NonFiniteLossError
 from jaxkit.train_step import build
 
 

@@ -1,0 +1,197 @@
+"""Host-side records of a run: what each fetched micro-step adds up to, and the summary.
+
+Step records are what metrics.jsonl, TensorBoard and the console show; the summary is what
+a finished run ends with.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxkit import data as data_lib
+from jaxkit.batch_plan import BatchPlan
+from jaxkit.train_step import Setup
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many non-finite micro-batches in a row."""
+
+
+class StepTracker:
+    """Host-side bookkeeping for fetched micro-steps: losses, timing, non-finite streaks."""
+
+    def __init__(self, config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup):
+        self.plan, self.setup = plan, setup
+        self.log_every = config.train.log_every
+        self.max_nonfinite = config.train.max_nonfinite_in_row
+        self.losses: list[float] = []
+        self.window_times: list[float] = []
+        self.all_times: list[float] = []
+        self.nonfinite_in_row = 0
+        self.skipped = 0
+        self.first_step_s = 0.0  # the first optimizer step, compilation included
+        self.first_step_done = False
+        self.last_mark = time.perf_counter()
+        # Where this process started counting: optimizer steps and examples before it.
+        self.base_step, self.base_examples = 0, 0
+
+    def loop_state(self, step: int) -> dict:
+        """What a checkpoint needs to continue these metrics exactly."""
+        return {
+            "step": step,
+            "partial_step_losses": list(self.losses),  # micro-batches of an unfinished step
+            "skipped_micro_batches": self.skipped,
+            "nonfinite_in_row": self.nonfinite_in_row,
+            "examples_seen": self.base_examples + (step - self.base_step) * self._global(),
+        }
+
+    def load_loop_state(self, saved: dict) -> None:
+        self.losses = [float(x) for x in saved["partial_step_losses"]]
+        self.skipped = int(saved["skipped_micro_batches"])
+        self.nonfinite_in_row = int(saved["nonfinite_in_row"])
+        self.base_step, self.base_examples = int(saved["step"]), int(saved["examples_seen"])
+
+    def _global(self) -> int:
+        return self.plan.global_batch_size
+
+    def restart_clock(self) -> None:
+        self.last_mark = time.perf_counter()
+
+    def micro_step_done(self, step: int, micro: int, metrics: dict[str, jax.Array]) -> dict | None:
+        """Takes a fetched micro-step; returns the step's record when it ends a log window."""
+        m = jax.device_get(metrics)
+        self.losses.append(float(m["loss"]))
+        if bool(m["finite"]):
+            self.nonfinite_in_row = 0
+        else:
+            self.skipped += 1
+            self.nonfinite_in_row += 1
+            if self.nonfinite_in_row >= self.max_nonfinite:
+                raise NonFiniteLossError(
+                    f"{self.nonfinite_in_row} non-finite micro-batches in a row (step {step}, "
+                    f"micro-step {micro}); last loss {float(m['loss'])}. Lower "
+                    "optimizer.learning_rate or set optimizer.grad_clip_norm; "
+                    "train.max_nonfinite_in_row sets the limit"
+                )
+        if micro < self.plan.grad_accum_steps - 1:
+            return None
+        done = step + 1
+        now = time.perf_counter()
+        elapsed, self.last_mark = now - self.last_mark, now
+        if not self.first_step_done:
+            self.first_step_done = True
+            self.first_step_s = elapsed  # includes compilation: kept out of throughput
+        else:
+            self.window_times.append(elapsed)
+            self.all_times.append(elapsed)
+        record = self._record(done, float(m["grad_norm"]))
+        self.losses = []
+        return record
+
+    def _record(self, done: int, grad_norm: float) -> dict:
+        plan = self.plan
+        step_time = statistics.mean(self.window_times) if self.window_times else self.first_step_s
+        record = {
+            "step": done,
+            "micro_step": done * plan.grad_accum_steps,
+            "loss": float(np.mean(self.losses)),  # mean over the global batch
+            "learning_rate": float(self.setup.schedule(done - 1)),
+            "grad_norm": grad_norm,
+            "examples_seen": self.base_examples + (done - self.base_step) * self._global(),
+            "step_time_s": step_time,
+            "examples_per_s": plan.global_batch_size / step_time,
+            "skipped_micro_batches": self.skipped,
+        }
+        if plan.seq_len is not None and plan.tokens_per_step is not None:
+            record["tokens_seen"] = record["examples_seen"] * plan.seq_len
+            record["tokens_per_s"] = plan.tokens_per_step / step_time
+        return record
+
+    def close_window(self) -> None:
+        self.window_times = []
+
+
+def eval_record(done: int, plan: BatchPlan, result: dict, tracker: StepTracker) -> dict:
+    record = {"step": done, "micro_step": done * plan.grad_accum_steps, **result}
+    record["examples_seen"] = tracker.loop_state(done)["examples_seen"]
+    if plan.seq_len is not None:
+        record["tokens_seen"] = record["examples_seen"] * plan.seq_len
+    return record
+
+
+def format_record(record: dict) -> str:
+    if "eval_loss" in record:
+        return (
+            f"step {record['step']:>6}  eval_loss {record['eval_loss']:.4f}  "
+            f"eval_accuracy {record['eval_accuracy']:.3f}"
+        )
+    rate = (
+        f"{record['tokens_per_s']:,.0f} tokens/s"
+        if "tokens_per_s" in record
+        else f"{record['examples_per_s']:,.0f} examples/s"
+    )
+    return (
+        f"step {record['step']:>6}  loss {record['loss']:.4f}  lr {record['learning_rate']:.3g}  "
+        f"grad_norm {record['grad_norm']:.3f}  {record['step_time_s'] * 1e3:.1f} ms/step  {rate}"
+    )
+
+
+def summarize(
+    config: ml_collections.ConfigDict,
+    plan: BatchPlan,
+    records: list[dict],
+    tracker: StepTracker,
+    eval_source: data_lib.Source,
+    wall_s: float,
+) -> dict:
+    train_records = [r for r in records if "loss" in r]
+    eval_records = [r for r in records if "eval_loss" in r]
+    step_time = statistics.median(tracker.all_times) if tracker.all_times else None
+    summary = {
+        "config": config.get("name"),
+        "steps": config.train.steps,
+        "final_loss": train_records[-1]["loss"] if train_records else None,
+        "eval_loss": eval_records[-1]["eval_loss"] if eval_records else None,
+        "eval_accuracy": eval_records[-1]["eval_accuracy"] if eval_records else None,
+        "median_step_time_s": step_time,
+        "examples_per_s": plan.global_batch_size / step_time if step_time else None,
+        "first_step_s": tracker.first_step_s,
+        "skipped_micro_batches": tracker.skipped,
+        "wall_time_s": wall_s,
+    }
+    if plan.tokens_per_step is not None and step_time:
+        summary["tokens_per_s"] = plan.tokens_per_step / step_time
+    if isinstance(eval_source, data_lib.TokenWindows):
+        summary["unigram_entropy"] = eval_source.unigram_entropy()
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"done: {s['steps']} optimizer steps in {s['wall_time_s']:.1f} s"]
+    if s["median_step_time_s"]:
+        rate = f"{s['examples_per_s']:,.1f} examples/s"
+        if "tokens_per_s" in s:
+            rate += f", {s['tokens_per_s']:,.0f} tokens/s"
+        lines.append(
+            f"  median step {s['median_step_time_s'] * 1e3:.1f} ms ({rate}); "
+            f"first step incl. compile {s['first_step_s']:.1f} s"
+        )
+    if s["eval_loss"] is not None:
+        if "unigram_entropy" in s:
+            h = s["unigram_entropy"]
+            lines.append(
+                f"  eval loss {s['eval_loss']:.3f} nats/byte vs unigram entropy {h:.3f} "
+                f"nats/byte of the held-out bytes ({s['eval_loss'] / h:.0%} of it)"
+            )
+        else:
+            lines.append(
+                f"  eval loss {s['eval_loss']:.4f}, eval accuracy {s['eval_accuracy']:.1%}"
+            )
+    if s["skipped_micro_batches"]:
+        lines.append(f"  skipped {s['skipped_micro_batches']} non-finite micro-batches")
+    return "\n".join(lines)
