@@ -1,4 +1,5 @@
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -72,3 +73,53 @@ def test_state_shardings_on_2x2x2_follow_the_rules():
         assert tree["embed"]["embedding"].sharding.spec == P(None, "fsdp")
     assert state.opt_state.mini_step.sharding.spec == P()
     assert state.micro_step.sharding.spec == P()
+
+
+def _small_lm(*overrides):
+    config = load_config("lm_tiny")
+    apply_overrides(
+        config,
+        [
+            "model.d_model=32",
+            "model.num_heads=2",
+            "model.mlp_dim=64",
+            "model.num_layers=1",
+            "data.seq_len=16",
+            "data.max_bytes=60000",
+            "batch.global_batch_size=32",
+            "batch.per_device_batch_size=4",
+            "train.steps=4",
+            "train.log_every=1",
+            "train.eval_batches=1",
+            *overrides,
+        ],
+    )
+    return config
+
+
+def _bytes_per_device(state) -> int:
+    """Bytes of params + optimizer state held by one device, from the arrays' shardings."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+
+
+def test_fsdp_and_tensor_meshes_train_like_data_parallel_with_less_memory():
+    from jaxkit.loop import train
+
+    runs = {}
+    for shape in ((8, 1, 1), (2, 2, 2), (1, 4, 2)):
+        data, fsdp, tensor = shape
+        config = _small_lm(f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}")
+        result = train(config, progress=False, echo=lambda *a: None)
+        losses = np.array([r["loss"] for r in result.records if "loss" in r])
+        params = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(result.state.params))]
+        runs[shape] = (losses, params, _bytes_per_device(result.state))
+    dp_losses, dp_params, dp_bytes = runs[(8, 1, 1)]
+    for shape in ((2, 2, 2), (1, 4, 2)):
+        losses, params, _ = runs[shape]
+        # float32 round-off only, as in test_equivalence (sharded matmuls sum in other orders).
+        np.testing.assert_allclose(losses, dp_losses, rtol=2e-6, err_msg=str(shape))
+        for a, b in zip(params, dp_params, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=str(shape))
+    # Memory per device falls as the fsdp and tensor axes grow (vectors stay replicated).
+    assert runs[(2, 2, 2)][2] < 0.5 * dp_bytes
+    assert runs[(1, 4, 2)][2] < 0.7 * runs[(2, 2, 2)][2]
