@@ -35,6 +35,7 @@ RESUMABLE_KEYS = (
     "train.eval_batches",
     "train.profile_steps",
     "train.max_nonfinite_in_row",
+    "train.accumulation",  # both modes keep MultiSteps' state layout
     "checkpoint.",
 )
 
@@ -281,6 +282,13 @@ def resume(
                 f"learning rate then follows optimizer.lr_scaling={plan.lr_scaling!r})."
             )
         old_k = old["grad_accum_steps"]
+        if micro_step % old_k and config.train.accumulation == "fused":
+            raise CheckpointError(
+                f"the latest checkpoint was saved in the middle of optimizer step "
+                f"{micro_step // old_k} (micro-step {micro_step % old_k} of {old_k}); fused "
+                "accumulation starts from whole steps. Resume once with "
+                "train.accumulation=multisteps to finish that step."
+            )
         if micro_step % old_k and old_k != plan.grad_accum_steps:
             raise CheckpointError(
                 f"the latest checkpoint was saved in the middle of optimizer step "

@@ -60,6 +60,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 0  # optimizer steps between evals; 0 = only at the end
     c.train.eval_batches = 0  # micro-batches of held-out data per eval; 0 = all of it
     c.train.max_nonfinite_in_row = 10  # stop after this many non-finite micro-batches in a row
+    # multisteps: optax.MultiSteps, one call per micro-batch (K gradient all-reduces per
+    # optimizer step). fused: one call per optimizer step, a local scan over the K
+    # micro-batches and one all-reduce; params are gathered whole inside the step.
+    c.train.accumulation = "multisteps"  # multisteps | fused
     c.train.profile_steps = ""  # "START:END": trace optimizer steps START..END-1; "" = off
 
     # With a workdir, a run also checkpoints on SIGTERM/SIGINT and at the end.

@@ -19,6 +19,7 @@ from typing import Protocol
 import jax
 import ml_collections
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxkit.batch_plan import BatchPlan
 
@@ -223,6 +224,27 @@ def load_micro_batch(
     rows = micro_batch_rows(step, micro, plan, len(source), seed)
     local_rows = rows[process_row_range(sharding, len(rows))]
     return to_global_array(source[local_rows], sharding, len(rows))
+
+
+def load_global_batch(
+    source: Source, step: int, plan: BatchPlan, seed: int, sharding: jax.sharding.NamedSharding
+) -> dict[str, jax.Array]:
+    """Optimizer step `step`'s whole batch as (K, micro_batch, ...): micro-step m is row m.
+
+    `sharding` splits the second axis over the batch axes, so each device holds its slice
+    of every micro-batch, exactly the rows load_micro_batch would give it.
+    """
+    k, m = plan.grad_accum_steps, plan.micro_batch_size
+    rows_KxM = global_batch_rows(step, plan.global_batch_size, len(source), seed).reshape(k, m)
+    rows_sharding = jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+    local = process_row_range(rows_sharding, m)
+    local_rows = rows_KxM[:, local]
+    picked = source[local_rows.reshape(-1)]
+    stacked = {key: v.reshape(k, -1, *v.shape[1:]) for key, v in picked.items()}
+    return {
+        key: jax.make_array_from_process_local_data(sharding, v, (k, m, *v.shape[2:]))
+        for key, v in stacked.items()
+    }
 
 
 def _eval_batch_count(source: Source, plan: BatchPlan, count: int) -> int:

@@ -108,6 +108,7 @@ def train(
     setup = build(config, plan, mesh)
     t, seed = config.train, config.train.seed
     accum_steps = plan.grad_accum_steps
+    fused = setup.accumulation == "fused"
     profile = parse_profile_steps(t.profile_steps, t.steps)
     if profile and workdir is None:
         raise ConfigError("train.profile_steps writes to WORKDIR/profile/: give a workdir")
@@ -143,6 +144,19 @@ def train(
         run_dir.write_text("plan", "\n".join("    " + line for line in plan.table().splitlines()))
         run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
     records: list[dict] = []
+    if run_dir and restored and restored.meta["plan"] != plan.to_json():
+        old = restored.meta["plan"]
+        run_dir.log(  # the move, in the run's own history: plan and learning-rate policy
+            {
+                "event": "plan_change",
+                "step": start_step,
+                "micro_step": start_micro_step,
+                "from_plan": old,
+                "to_plan": plan.to_json(),
+                "lr_scaling": plan.lr_scaling,
+                "learning_rate": plan.learning_rate,
+            }
+        )
 
     def emit(record: dict) -> None:
         records.append(record)
@@ -189,16 +203,27 @@ def train(
                     tracing = True
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
                     first_micro = start_micro if step == start_step else 0
-                    for micro in range(first_micro, accum_steps):
-                        batch = data_lib.load_micro_batch(
-                            train_source, step, micro, plan, seed, setup.batch_sharding
-                        )
+                    # Fused accumulation makes a whole optimizer step in one call.
+                    micros = [accum_steps - 1] if fused else range(first_micro, accum_steps)
+                    for micro in micros:
+                        if fused:
+                            batch = data_lib.load_global_batch(
+                                train_source, step, plan, seed, setup.fused_batch_sharding
+                            )
+                        else:
+                            batch = data_lib.load_micro_batch(
+                                train_source, step, micro, plan, seed, setup.batch_sharding
+                            )
                         state, metrics = setup.step(state, batch)
                         if pending is not None:
                             _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
                         pending = (step, micro, metrics)
                         done_micro = step * accum_steps + micro + 1
-                        if stop_after_micro_steps == done_micro:
+                        if (
+                            stop_after_micro_steps is not None
+                            and done_micro >= stop_after_micro_steps
+                            and not stop
+                        ):
                             stop.append("stop_after_micro_steps")
                         if stop and micro < accum_steps - 1:  # mid-step: save right here
                             stop_signal = stop[0]

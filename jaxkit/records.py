@@ -66,11 +66,12 @@ class StepTracker:
         """Takes a fetched micro-step; returns the step's record when it ends a log window."""
         m = jax.device_get(metrics)
         self.losses.append(float(m["loss"]))
-        if bool(m["finite"]):
+        nonfinite = int(m["nonfinite"])
+        if nonfinite == 0:
             self.nonfinite_in_row = 0
         else:
-            self.skipped += 1
-            self.nonfinite_in_row += 1
+            self.skipped += nonfinite
+            self.nonfinite_in_row += nonfinite
             if self.nonfinite_in_row >= self.max_nonfinite:
                 raise NonFiniteLossError(
                     f"{self.nonfinite_in_row} non-finite micro-batches in a row (step {step}, "

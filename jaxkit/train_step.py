@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.config import ConfigError
+from jaxkit.fused_step import fused_train_step
 from jaxkit.models import build_model, cross_entropy
 
 
@@ -114,8 +115,12 @@ class Setup:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     state_shardings: TrainState
-    batch_sharding: jax.sharding.NamedSharding
+    batch_sharding: jax.sharding.NamedSharding  # a micro-batch: rows over the batch axes
     init: Callable[[jax.Array], TrainState]  # key -> state, born sharded
+    # "multisteps": step takes one micro-batch per call. "fused": one (K, rows, ...) batch
+    # per call, sharded as fused_batch_sharding, and makes a whole optimizer step.
+    accumulation: str
+    fused_batch_sharding: jax.sharding.NamedSharding
     step: Callable  # jitted (state, batch) -> (state, metrics), state donated
     eval_step: Callable  # jitted (params, batch) -> metrics
 
@@ -152,9 +157,19 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
 
     # Shardings are fixed here, at the jit boundary: state as RULES say, rows over the
     # batch axes, metrics replicated. The state is donated: its buffers are reused in place.
+    accumulation = config.train.accumulation
+    fused_batch_sharding = NamedSharding(mesh, P(None, mesh_lib.BATCH_AXES))
+    if accumulation == "multisteps":
+        step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx)
+        step_batch_sharding = batch_sharding
+    elif accumulation == "fused":
+        step_fn = functools.partial(fused_train_step, graphdef=graphdef, tx=tx, mesh=mesh)
+        step_batch_sharding = fused_batch_sharding
+    else:
+        raise ConfigError(f"train.accumulation={accumulation!r} is not one of multisteps, fused")
     step = jax.jit(
-        functools.partial(train_step, graphdef=graphdef, tx=tx),
-        in_shardings=(state_shardings, batch_sharding),
+        step_fn,
+        in_shardings=(state_shardings, step_batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnames="state",
     )
@@ -170,6 +185,8 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
         state_shardings=state_shardings,
         batch_sharding=batch_sharding,
         init=jax.jit(init, out_shardings=state_shardings),
+        accumulation=accumulation,
+        fused_batch_sharding=fused_batch_sharding,
         step=step,
         eval_step=evaluate,
     )
@@ -189,7 +206,7 @@ def train_step(
     """One micro-step: gradient of the micro-batch's mean loss, fed to MultiSteps.
 
     A non-finite micro-batch contributes a zero gradient (so the accumulation keeps its
-    cadence of K micro-batches per optimizer step) and is reported as `finite = False`.
+    cadence of K micro-batches per optimizer step) and is counted in `nonfinite`.
     """
 
     def loss_fn(params: Any) -> jax.Array:
@@ -205,7 +222,11 @@ def train_step(
         opt_state=opt_state,
         micro_step=state.micro_step + 1,
     )
-    metrics = {"loss": loss, "grad_norm": applied_grad_norm(opt_state), "finite": finite}
+    metrics = {
+        "loss": loss,
+        "grad_norm": applied_grad_norm(opt_state),
+        "nonfinite": (~finite).astype(jnp.int32),  # micro-batches skipped by this call
+    }
     return new_state, metrics
 
 

@@ -1,5 +1,8 @@
 """Checkpoints: exact resume, resume elsewhere, refusals, corruption (in-process)."""
 
+import os
+import signal
+
 import jax
 import numpy as np
 import pytest
@@ -109,6 +112,11 @@ def test_a_changed_global_batch_is_refused_unless_allowed(tmp_path):
     assert resumed.plan.learning_rate == pytest.approx(2 * 3e-3)  # linear: 64 / 32
     records = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [r["examples_seen"] for r in records] == [32, 64, 128, 192, 256, 320]
+    (change,) = [r for r in read_metrics(tmp_path) if r.get("event") == "plan_change"]
+    assert change["step"] == 2 and change["lr_scaling"] == "linear"
+    assert change["from_plan"]["global_batch_size"] == 32
+    assert change["to_plan"]["global_batch_size"] == 64
+    assert change["learning_rate"] == pytest.approx(6e-3)
 
 
 def test_a_conflicting_config_is_refused_with_a_diff(tmp_path):
@@ -158,4 +166,42 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path):
     assert again.records == [] and again.summary == first.summary
     assert (tmp_path / "metrics.jsonl").read_text() == before
     for a, b in zip(leaves(first.state), leaves(again.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoints_move_between_multisteps_and_fused_at_step_boundaries(tmp_path):
+    config = digits("batch.per_device_batch_size=2")  # 8 × 2 × K=2
+    full = run(config, tmp_path / "full")
+    run(config, tmp_path / "moved", stop_after_micro_steps=6)  # a boundary: 3 steps of 2
+    fused = run(
+        digits("batch.per_device_batch_size=2", "train.accumulation=fused"), tmp_path / "moved"
+    )
+    losses = [r["loss"] for r in read_metrics(tmp_path / "moved") if "loss" in r]
+    np.testing.assert_allclose(
+        losses, [r["loss"] for r in full.records if "loss" in r], rtol=LOSS_RTOL
+    )
+    for a, b in zip(leaves(full.state.params), leaves(fused.state.params), strict=True):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL, rtol=0)
+    run(config, tmp_path / "mid", stop_after_micro_steps=5)  # half-way through step 3
+    with pytest.raises(CheckpointError, match=r"train\.accumulation=multisteps"):
+        run(digits("batch.per_device_batch_size=2", "train.accumulation=fused"), tmp_path / "mid")
+
+
+def test_ctrl_c_saves_and_stops_like_a_preemption(tmp_path):
+    config = digits("train.steps=30")
+    sent = []
+
+    def press_ctrl_c(line):  # the console line of step 4: the user presses Ctrl-C
+        if line.startswith("step      4  loss") and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    result = train(config, tmp_path, progress=False, echo=press_ctrl_c)
+    assert result.stopped and sent
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep=3, warn=print)
+    stopped_at = ckpt.steps()[-1]
+    assert 4 <= stopped_at < 30  # the next micro-step boundary after the signal
+    resumed = run(config, tmp_path)
+    full = run(config, tmp_path / "full")
+    for a, b in zip(leaves(full.state), leaves(resumed.state), strict=True):
         np.testing.assert_array_equal(a, b)

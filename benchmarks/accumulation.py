@@ -1,0 +1,112 @@
+"""MultiSteps against fused accumulation, side by side in one process.
+
+For the tiny LM on simulated devices at K = 1, 4 and 16 micro-steps of per-device batch 4:
+bytes all-reduced per optimizer step (counted in the compiled HLO) and time per optimizer
+step (median over a short run of jaxkit's own loop), for train.accumulation = multisteps
+and fused.
+
+Run: python benchmarks/accumulation.py [--host-devices 8] [--steps 12]
+Writes benchmarks/results/accumulation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--host-devices", type=int, default=8)
+parser.add_argument("--steps", type=int, default=12, help="optimizer steps per timed run")
+parser.add_argument(
+    "--out", default=str(pathlib.Path(__file__).parent / "results" / "accumulation.json")
+)
+args = parser.parse_args()
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", args.host_devices)
+
+from jaxkit.batch_plan import plan_from_config
+from jaxkit.config import apply_overrides, load_config
+from jaxkit.data import load_global_batch, load_micro_batch, make_sources
+from jaxkit.hlo import count_all_reduces
+from jaxkit.loop import train
+from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.train_step import build
+
+
+def lm(mode: str, accum: int, steps: int):
+    config = load_config("lm_tiny")
+    apply_overrides(
+        config,
+        [
+            "batch.global_batch_size=null",
+            "batch.per_device_batch_size=4",
+            f"batch.grad_accum_steps={accum}",
+            f"train.steps={steps}",
+            f"train.log_every={steps}",
+            "train.eval_batches=1",
+            f"train.accumulation={mode}",
+            "data.max_bytes=2000000",
+        ],
+    )
+    return config
+
+
+def all_reduced_bytes_per_step(config) -> tuple[int, int]:
+    mesh = make_mesh(config.mesh.to_dict())
+    plan = plan_from_config(config, mesh_shape(mesh))
+    setup = build(config, plan, mesh)
+    source, _ = make_sources(config)
+    state = setup.init(jax.random.key(0))
+    k = plan.grad_accum_steps
+    if setup.accumulation == "fused":
+        batch, calls = load_global_batch(source, 0, plan, 0, setup.fused_batch_sharding), 1
+    else:
+        batch, calls = load_micro_batch(source, 0, 0, plan, 0, setup.batch_sharding), k
+    counts = count_all_reduces(setup.step.lower(state, batch).compile().as_text())
+    assert counts.inside_loops == 0
+    return calls * counts.per_call(k), calls * counts.bytes_outside_loops
+
+
+def main() -> None:
+    rows = []
+    print(
+        f"accumulation modes on {args.host_devices} x {jax.devices()[0].platform}, tiny LM, "
+        f"per-device batch 4, {args.steps} steps per run"
+    )
+    for k in (1, 4, 16):
+        for mode in ("multisteps", "fused"):
+            config = lm(mode, k, args.steps)
+            ops, nbytes = all_reduced_bytes_per_step(config)
+            result = train(config, progress=False, echo=lambda *a: None)
+            step_s = result.summary["median_step_time_s"]
+            rows.append(
+                {
+                    "grad_accum_steps": k,
+                    "mode": mode,
+                    "all_reduces_per_step": ops,
+                    "bytes_all_reduced_per_step": nbytes,
+                    "step_time_s": step_s,
+                }
+            )
+            print(
+                f"K={k:>2} {mode:>10}: {ops:>3} all-reduces, {nbytes / 2**20:7.2f} MiB "
+                f"all-reduced per optimizer step, {step_s * 1e3:8.1f} ms per step",
+                flush=True,
+            )
+    for k in (1, 4, 16):
+        ms, fu = (r for r in rows if r["grad_accum_steps"] == k)
+        print(
+            f"K={k:>2}: fused/multisteps time per step {fu['step_time_s'] / ms['step_time_s']:.3f},"
+            f" bytes {fu['bytes_all_reduced_per_step'] / ms['bytes_all_reduced_per_step']:.3f}"
+        )
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Fused accumulation: one jit call and one gradient all-reduce per optimizer step.
+
+`optax.MultiSteps` called once per micro-batch all-reduces the gradient K times per
+optimizer step, and so does a `lax.scan` under plain jit (XLA keeps the all-reduce inside
+the loop). Here `jax.shard_map` makes each device sum its own micro-batch gradients over a
+local scan, and a single `pmean` crosses devices once per optimizer step. The loss, the
+model and the inner optimizer are the ones the MultiSteps step uses, and the state keeps
+MultiSteps' layout, so checkpoints move between the modes at optimizer-step boundaries.
+
+A step in which any micro-batch is non-finite is skipped as a whole (params and optimizer
+state unchanged): the devices only learn of it after the local sums, when a micro-batch
+can no longer be taken out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxkit.mesh import BATCH_AXES
+from jaxkit.models import cross_entropy
+
+
+def fused_train_step(
+    state: Any,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef: nnx.GraphDef,
+    tx: optax.MultiSteps,
+    mesh: Mesh,
+) -> tuple[Any, dict[str, jax.Array]]:
+    """One optimizer step on a (K, micro_batch, ...) batch: local scan, one pmean."""
+    accum_steps = jax.tree.leaves(batch)[0].shape[0]
+
+    def local(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, jax.Array, jax.Array]:
+        # Replicated params are invariant across the batch axes; grad would then insert its
+        # own psum. Marking them varying keeps the gradient local until the one pmean below.
+        params = jax.tree.map(lambda p: jax.lax.pcast(p, BATCH_AXES, to="varying"), params)
+
+        def micro(grad_sum: Any, mb: dict[str, jax.Array]) -> tuple[Any, tuple]:
+            def loss_fn(p: Any) -> jax.Array:
+                return cross_entropy(nnx.merge(graphdef, p)(mb["inputs"]), mb["targets"])
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+            return jax.tree.map(jnp.add, grad_sum, grads), (loss, ~finite)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grad_sum, (losses, nonfinite) = jax.lax.scan(micro, zeros, batch_KxB)
+        # The one cross-device reduction of the step: the mean over all K × devices shards
+        # equals the mean gradient of the global batch (equal-sized micro-batches).
+        grads, loss, bad = jax.lax.pmean(
+            (
+                jax.tree.map(lambda g: g / accum_steps, grad_sum),
+                jnp.mean(losses),
+                jnp.sum(nonfinite).astype(jnp.float32),
+            ),
+            BATCH_AXES,
+        )
+        return grads, loss, bad
+
+    grads, loss, bad = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(), P(None, BATCH_AXES)),
+        out_specs=(P(), P(), P()),
+    )(state.params, batch)
+
+    ms = state.opt_state
+    updates, inner = tx.inner_opt.update(grads, ms.inner_opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    ok = bad == 0
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+    opt_state = optax.MultiStepsState(
+        mini_step=ms.mini_step,
+        gradient_step=ms.gradient_step + 1,  # a skipped step still counts, as the data moved on
+        inner_opt_state=keep(inner, ms.inner_opt_state),
+        acc_grads=ms.acc_grads,
+        skip_state=ms.skip_state,
+    )
+    new_state = state.replace(
+        params=keep(params, state.params),
+        opt_state=opt_state,
+        micro_step=state.micro_step + accum_steps,
+    )
+    nonfinite = jnp.where(ok, 0, accum_steps).astype(jnp.int32)
+    metrics = {"loss": loss, "grad_norm": inner[0].grad_norm, "nonfinite": nonfinite}
+    return new_state, metrics
