@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from small_configs import SMALL_LM
 
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.config import apply_overrides, load_config
@@ -24,14 +25,7 @@ STEPS = 5
 SEED_SPLITS = [(1, 32, 1), (4, 8, 1), (2, 8, 2), (1, 8, 4)]
 SMALL = {
     "mlp_digits": [],
-    "lm_tiny": [
-        "model.d_model=32",
-        "model.num_heads=2",
-        "model.mlp_dim=64",
-        "model.num_layers=1",
-        "data.seq_len=16",
-        "data.max_bytes=60000",
-    ],
+    "lm_tiny": SMALL_LM,
 }
 # float32 round-off: the splits sum the same per-example gradients in a different order
 # (per device, across devices, across micro-steps), so each gradient differs from the

@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from small_configs import SMALL_LM
 
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.config import apply_overrides, load_config
@@ -16,14 +17,6 @@ from jaxkit.train_step import build
 # order (local scans, then one pmean) differ by float32 round-off only.
 LOSS_RTOL = 2e-6
 PARAM_ATOL = 1e-6
-SMALL_LM = [
-    "model.d_model=32",
-    "model.num_heads=2",
-    "model.mlp_dim=64",
-    "model.num_layers=1",
-    "data.seq_len=16",
-    "data.max_bytes=60000",
-]
 
 
 def config_for(name, mode, per_device, *extra):

@@ -2,6 +2,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from small_configs import SMALL_LM
 
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.config import apply_overrides, load_config
@@ -80,12 +81,7 @@ def _small_lm(*overrides):
     apply_overrides(
         config,
         [
-            "model.d_model=32",
-            "model.num_heads=2",
-            "model.mlp_dim=64",
-            "model.num_layers=1",
-            "data.seq_len=16",
-            "data.max_bytes=60000",
+            *SMALL_LM,
             "batch.global_batch_size=32",
             "batch.per_device_batch_size=4",
             "train.steps=4",
