@@ -48,6 +48,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--workdir", metavar="DIR", help="where to write (default runs/CONFIG-TIMESTAMP)"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    multi = train.add_argument_group(
+        "multi-process (automatic on Cloud TPU VMs; or JAXKIT_COORDINATOR etc.)"
+    )
+    multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    multi.add_argument("--num-processes", type=int, metavar="P", help="processes in the run")
+    multi.add_argument("--process-id", type=int, metavar="I", help="this process, 0..P-1")
     train.add_argument(
         "--allow-batch-change",
         action="store_true",
@@ -100,12 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     if opts.command == "report":
         return _report(opts)  # reads files only: JAX need not start
     _start_jax(opts.host_devices)
+    if opts.command == "train":
+        from jaxkit.distributed import DistributedError, initialize
+
+        try:
+            initialize(opts.coordinator, opts.num_processes, opts.process_id)
+        except DistributedError as err:
+            print(f"jaxkit: error: {err}", file=sys.stderr)
+            return 2
 
     from jaxkit import mesh as mesh_lib
     from jaxkit.batch_plan import BatchPlanError, plan_from_config
     from jaxkit.checkpoint import CheckpointError
     from jaxkit.config import ConfigError, apply_overrides, load_config
     from jaxkit.data import DataError
+    from jaxkit.distributed import DistributedError
 
     name, overrides = _split_args(opts.args)
     try:
@@ -122,7 +137,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(plan.table())
             return 0
         return _train(config, opts)
-    except (ConfigError, BatchPlanError, mesh_lib.MeshError, DataError, CheckpointError) as err:
+    except (
+        ConfigError,
+        BatchPlanError,
+        mesh_lib.MeshError,
+        DataError,
+        CheckpointError,
+        DistributedError,
+    ) as err:
         print(f"jaxkit: error: {err}", file=sys.stderr)
         return 2
 

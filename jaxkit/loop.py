@@ -29,6 +29,7 @@ from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan, plan_from_config
 from jaxkit.checkpoint import Checkpointer, resume
 from jaxkit.config import ConfigError, config_to_json
+from jaxkit.distributed import check_agreement
 from jaxkit.metrics import RunDir
 from jaxkit.records import (
     StepTracker,
@@ -101,11 +102,14 @@ def train(
     many micro-steps in all (for tests and notebooks).
     """
     parse_profile_steps(config.train.profile_steps, config.train.steps)  # fail before work
+    if jax.process_index() != 0:  # one voice: only process 0 prints and writes
+        echo, progress = (lambda *args: None), False
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
     train_source, eval_source = data_lib.make_sources(config)
     data_lib.check_sources(train_source, eval_source, plan)
     setup = build(config, plan, mesh)
+    check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
     t, seed = config.train, config.train.seed
     accum_steps = plan.grad_accum_steps
     fused = setup.accumulation == "fused"

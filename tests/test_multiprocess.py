@@ -1,0 +1,200 @@
+"""Two processes × 4 simulated devices form one 8-device mesh (loopback only, bounded)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = [
+    "mlp_digits",
+    "train.steps=6",
+    "train.log_every=1",
+    "train.eval_every=3",
+    "checkpoint.every=3",
+    "checkpoint.keep=2",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(workdir, *extra, processes=1, per_process_extra=None, timeout=240):
+    """Runs `jaxkit train` as `processes` processes; returns [(returncode, output)]."""
+    env = dict(
+        os.environ, PYTHONPATH=ROOT, JAXKIT_JOIN_TIMEOUT_S="30", JAXKIT_HEARTBEAT_TIMEOUT_S="20"
+    )
+    port = free_port()
+    procs = []
+    for i in range(processes):
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxkit",
+            "train",
+            *RUN,
+            *extra,
+            *(per_process_extra or {}).get(i, []),
+            "--host-devices",
+            str(8 // processes),
+            "--workdir",
+            str(workdir),
+            "--no-progress",
+        ]
+        if processes > 1:
+            cmd += [
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                str(processes),
+                "--process-id",
+                str(i),
+            ]
+        procs.append(
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env
+            )
+        )
+    results = []
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        results.append((proc.returncode, out))
+    return results
+
+
+def records(workdir):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def assert_same_run(a, b):
+    ra, rb = records(a), records(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    for x, y in zip(ra, rb, strict=True):
+        key = "loss" if "loss" in x else "eval_loss"
+        # Gloo sums across processes in another order than one process does: round-off only.
+        np.testing.assert_allclose(x[key], y[key], rtol=2e-6)
+
+
+def test_two_processes_train_like_one_and_resume_across_process_counts(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    ((rc, out),) = launch(one)
+    assert rc == 0, out
+    results = launch(two, processes=2)
+    assert all(rc == 0 for rc, _ in results), results
+    assert "step      6" in results[0][1] and "step      6" not in results[1][1]  # one voice
+    assert_same_run(one, two)
+
+    # Resume a two-process run as one process, and a one-process run as two.
+    for source, processes in ((two, 1), (one, 2)):
+        moved = tmp_path / f"{source.name}_as_{processes}"
+        shutil.copytree(source, moved)
+        shutil.rmtree(moved / "checkpoints" / "6")  # as if it had stopped after step 3
+        results = launch(moved, processes=processes)
+        assert all(rc == 0 for rc, _ in results), results
+        assert "resuming from" in results[0][1] and "optimizer step 3" in results[0][1]
+        assert_same_run(one, moved)
+
+
+def test_processes_that_resolved_different_configs_stop(tmp_path):
+    results = launch(tmp_path, processes=2, per_process_extra={1: ["optimizer.learning_rate=0.01"]})
+    assert all(rc != 0 for rc, _ in results), results
+    assert (
+        "process 1 resolved config.optimizer.learning_rate=0.01, process 0 0.003" in (results[1][1])
+    )
+    assert "every process must run the same command" in results[0][1]
+
+
+def test_a_peer_that_never_joins_stops_the_run_in_bounded_time(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAXKIT_JOIN_TIMEOUT_S="5")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxkit",
+            "train",
+            *RUN,
+            "--host-devices",
+            "4",
+            "--coordinator",
+            f"127.0.0.1:{free_port()}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "0",
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 90
+    assert "joining 2 processes" in proc.stdout
+
+
+def test_a_peer_that_dies_stops_the_others_in_bounded_time(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAXKIT_HEARTBEAT_TIMEOUT_S="10")
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxkit",
+                "train",
+                "mlp_digits",
+                "train.steps=100000",
+                "train.log_every=10",
+                "--host-devices",
+                "4",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--workdir",
+                str(tmp_path),
+                "--no-progress",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    deadline = time.monotonic() + 120
+    metrics = tmp_path / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline and procs[0].poll() is None, "never started"
+        time.sleep(0.1)
+    procs[1].kill()  # kill -9 in the middle of training
+    killed = time.monotonic()
+    try:
+        procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode != 0
+    assert time.monotonic() - killed < 90
