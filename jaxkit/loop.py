@@ -23,6 +23,7 @@ import jax
 import ml_collections
 import numpy as np
 import tqdm
+from jax.experimental.multihost_utils import reached_preemption_sync_point
 
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
@@ -198,7 +199,10 @@ def train(
 
     profile_dir = pathlib.Path(workdir, "profile") if workdir is not None else None
     tracing, stop_signal = False, None
-    with _stop_requests() as stop:
+    # With several processes, JAX's preemption service takes SIGTERM and agrees on the
+    # micro-step at which every process stops, so all save the same checkpoint.
+    multi_process = jax.process_count() > 1
+    with _stop_requests(handle_sigterm=not multi_process) as stop:
         try:
             for step in range(start_step, t.steps):
                 if profile and step == profile[0] and profile_dir is not None:
@@ -229,6 +233,10 @@ def train(
                             and not stop
                         ):
                             stop.append("stop_after_micro_steps")
+                        if (
+                            multi_process and not stop and reached_preemption_sync_point(done_micro)
+                        ):  # a preemption notice reached every process: all stop here
+                            stop.append("SIGTERM")
                         if stop and micro < accum_steps - 1:  # mid-step: save right here
                             stop_signal = stop[0]
                             drain()
@@ -284,7 +292,7 @@ def train(
 
 
 @contextlib.contextmanager
-def _stop_requests() -> Iterator[list[str]]:
+def _stop_requests(handle_sigterm: bool = True) -> Iterator[list[str]]:
     """A list that SIGTERM (what a Cloud TPU preemption sends) or SIGINT appends to.
 
     The loop checks it after every micro-step and then saves and returns; a second signal
@@ -299,7 +307,8 @@ def _stop_requests() -> Iterator[list[str]]:
         del frame
         requests.append(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals = (signal.SIGTERM, signal.SIGINT) if handle_sigterm else (signal.SIGINT,)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield requests
     finally:

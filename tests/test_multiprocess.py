@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(workdir, *extra, processes=1, per_process_extra=None, timeout=240):
+def launch(workdir, *extra, processes=1, per_process_extra=None, timeout=240, run=RUN):
     """Runs `jaxkit train` as `processes` processes; returns [(returncode, output)]."""
     env = dict(
         os.environ, PYTHONPATH=ROOT, JAXKIT_JOIN_TIMEOUT_S="30", JAXKIT_HEARTBEAT_TIMEOUT_S="20"
@@ -40,7 +41,7 @@ def launch(workdir, *extra, processes=1, per_process_extra=None, timeout=240):
             "-m",
             "jaxkit",
             "train",
-            *RUN,
+            *run,
             *extra,
             *(per_process_extra or {}).get(i, []),
             "--host-devices",
@@ -198,3 +199,50 @@ def test_a_peer_that_dies_stops_the_others_in_bounded_time(tmp_path):
             p.kill()
     assert procs[0].returncode != 0
     assert time.monotonic() - killed < 90
+
+
+def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path):
+    port = free_port()
+    args = ["mlp_digits", "train.steps=400", "train.log_every=10", "checkpoint.every=0"]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxkit",
+                "train",
+                *args,
+                "--host-devices",
+                "4",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--workdir",
+                str(tmp_path),
+                "--no-progress",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+        )
+        for i in range(2)
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline and procs[0].poll() is None, "never started"
+        time.sleep(0.1)
+    procs[0].send_signal(signal.SIGTERM)  # a preemption notice reaches one host
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and 0 < saved[0] < 400  # one checkpoint, the same for both
+    assert f"saved checkpoint at micro-step {saved[0]}" in outs[0]
+    results = launch(tmp_path, processes=2, run=args)  # and the pair resumes it
+    assert all(rc == 0 for rc, _ in results), results
+    assert records(tmp_path)[-1]["step"] == 400
