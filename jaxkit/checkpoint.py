@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxkit.config import flatten
+
 # Config keys that may differ between a run and its resumption: where it runs, how the batch
 # is split (the global batch is checked on its own), and what is logged or saved.
 RESUMABLE_KEYS = (
@@ -51,23 +53,13 @@ class Restored:
     meta: dict  # {"config", "plan", "loop"}: as saved
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _names(path: tuple) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def config_conflicts(saved: dict, current: dict) -> list[str]:
     """Lines `key: saved -> current` for every difference that would change the model."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten(saved), flatten(current)
     lines = []
     for key in sorted(old.keys() | new.keys()):
         if key.startswith(RESUMABLE_KEYS) or old.get(key) == new.get(key):

@@ -107,14 +107,19 @@ def load_config(name: str = DEFAULT_CONFIG) -> ml_collections.ConfigDict:
     return config
 
 
-def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in config.items():
-        if isinstance(value, ml_collections.ConfigDict):
-            keys += flat_keys(value, f"{prefix}{key}.")
+def flatten(tree: dict | ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
+    """{"dotted.key": value} for a config, or for a config saved as nested dicts."""
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, (dict, ml_collections.ConfigDict)):
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
-            keys.append(f"{prefix}{key}")
-    return keys
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def flat_keys(config: ml_collections.ConfigDict) -> list[str]:
+    return list(flatten(config))
 
 
 def parse_value(text: str) -> bool | int | float | str | None:

@@ -16,6 +16,8 @@ import os
 import jax
 import numpy as np
 
+from jaxkit.config import flatten
+
 # A peer that has not joined by then is an error; one silent this long is taken as dead and
 # the others stop. The environment may shorten them (the tests do).
 JOIN_TIMEOUT_S = int(os.environ.get("JAXKIT_JOIN_TIMEOUT_S", "120"))
@@ -67,16 +69,6 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         )
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    flat: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def check_agreement(resolved: dict) -> None:
     """Stops every process unless all resolved the same config and plan (`resolved`)."""
     if jax.process_count() == 1:
@@ -94,7 +86,7 @@ def check_agreement(resolved: dict) -> None:
     if jax.process_index() == 0:
         buffer = np.frombuffer(text, np.uint8).copy()
     first = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer)))
-    mine, theirs = _flatten(resolved), _flatten(json.loads(first))
+    mine, theirs = flatten(resolved), flatten(json.loads(first))
     diffs = [k for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)]
     odd = [i for i, d in enumerate(digests) if d != digests[0]]
     if diffs:

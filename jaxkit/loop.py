@@ -102,7 +102,10 @@ def train(
     another device count. `stop_after_micro_steps` stops as a preemption would, after that
     many micro-steps in all (for tests and notebooks).
     """
-    parse_profile_steps(config.train.profile_steps, config.train.steps)  # fail before work
+    t, seed = config.train, config.train.seed
+    profile = parse_profile_steps(t.profile_steps, t.steps)  # fails before any work
+    if profile and workdir is None:
+        raise ConfigError("train.profile_steps writes to WORKDIR/profile/: give a workdir")
     if jax.process_index() != 0:  # one voice: only process 0 prints and writes
         echo, progress = (lambda *args: None), False
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
@@ -111,12 +114,8 @@ def train(
     data_lib.check_sources(train_source, eval_source, plan)
     setup = build(config, plan, mesh)
     check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
-    t, seed = config.train, config.train.seed
     accum_steps = plan.grad_accum_steps
     fused = setup.accumulation == "fused"
-    profile = parse_profile_steps(t.profile_steps, t.steps)
-    if profile and workdir is None:
-        raise ConfigError("train.profile_steps writes to WORKDIR/profile/: give a workdir")
 
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())

@@ -56,9 +56,7 @@ class RunDir:
         tmp.replace(self.path / name)  # atomic: a crash never leaves half a file
 
     def write_json(self, name: str, obj: dict) -> None:
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-        tmp.replace(self.path / name)  # atomic: a crash never leaves half a file
+        self.write_lines(name, [json.dumps(obj, indent=2)])
 
     def write_text(self, tag: str, markdown: str) -> None:
         """Text for TensorBoard's text tab (the plan table, the resolved config)."""

@@ -28,21 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(workdir, *extra, processes=1, per_process_extra=None, timeout=240, run=RUN):
-    """Runs `jaxkit train` as `processes` processes; returns [(returncode, output)]."""
-    env = dict(
-        os.environ, PYTHONPATH=ROOT, JAXKIT_JOIN_TIMEOUT_S="30", JAXKIT_HEARTBEAT_TIMEOUT_S="20"
-    )
+def start(workdir, run=RUN, processes=1, per_process_extra=None, ids=None, **env_vars):
+    """Starts `jaxkit train` as processes `ids` (default all) of a `processes`-process run."""
+    timeouts = {"JAXKIT_JOIN_TIMEOUT_S": "30", "JAXKIT_HEARTBEAT_TIMEOUT_S": "20"}
+    env = {**os.environ, "PYTHONPATH": ROOT, **timeouts, **env_vars}
     port = free_port()
     procs = []
-    for i in range(processes):
+    for i in range(processes) if ids is None else ids:
         cmd = [
             sys.executable,
             "-m",
             "jaxkit",
             "train",
             *run,
-            *extra,
             *(per_process_extra or {}).get(i, []),
             "--host-devices",
             str(8 // processes),
@@ -64,17 +62,33 @@ def launch(workdir, *extra, processes=1, per_process_extra=None, timeout=240, ru
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env
             )
         )
+    return procs
+
+
+def finish(procs, timeout=240):
+    """[(returncode, output)] of every process; all are killed if one overruns."""
     results = []
     deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
+    try:
+        for proc in procs:
             out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        results.append((proc.returncode, out))
+            results.append((proc.returncode, out))
+    finally:
+        for proc in procs:
+            proc.kill()
     return results
+
+
+def launch(workdir, run=RUN, processes=1, per_process_extra=None):
+    return finish(start(workdir, run, processes, per_process_extra))
+
+
+def wait_for_records(workdir, count, proc, timeout=120):
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and metrics.read_text().count("\n") >= count):
+        assert time.monotonic() < deadline and proc.poll() is None, "never started"
+        time.sleep(0.1)
 
 
 def records(workdir):
@@ -115,134 +129,42 @@ def test_processes_that_resolved_different_configs_stop(tmp_path):
     results = launch(tmp_path, processes=2, per_process_extra={1: ["optimizer.learning_rate=0.01"]})
     assert all(rc != 0 for rc, _ in results), results
     assert (
-        "process 1 resolved config.optimizer.learning_rate=0.01, process 0 0.003" in (results[1][1])
+        "process 1 resolved config.optimizer.learning_rate=0.01, process 0 0.003" in results[1][1]
     )
     assert "every process must run the same command" in results[0][1]
 
 
 def test_a_peer_that_never_joins_stops_the_run_in_bounded_time(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAXKIT_JOIN_TIMEOUT_S="5")
-    start = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxkit",
-            "train",
-            *RUN,
-            "--host-devices",
-            "4",
-            "--coordinator",
-            f"127.0.0.1:{free_port()}",
-            "--num-processes",
-            "2",
-            "--process-id",
-            "0",
-            "--workdir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=120,
-    )
-    assert proc.returncode != 0
-    assert time.monotonic() - start < 90
-    assert "joining 2 processes" in proc.stdout
+    began = time.monotonic()
+    procs = start(tmp_path, processes=2, ids=[0], JAXKIT_JOIN_TIMEOUT_S="5")  # 1 never comes
+    ((returncode, out),) = finish(procs, timeout=120)
+    assert returncode != 0
+    assert time.monotonic() - began < 90
+    assert "joining 2 processes" in out
 
 
 def test_a_peer_that_dies_stops_the_others_in_bounded_time(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAXKIT_HEARTBEAT_TIMEOUT_S="10")
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jaxkit",
-                "train",
-                "mlp_digits",
-                "train.steps=100000",
-                "train.log_every=10",
-                "--host-devices",
-                "4",
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-                "--workdir",
-                str(tmp_path),
-                "--no-progress",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    deadline = time.monotonic() + 120
-    metrics = tmp_path / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert time.monotonic() < deadline and procs[0].poll() is None, "never started"
-        time.sleep(0.1)
+    run = ["mlp_digits", "train.steps=100000", "train.log_every=10"]
+    procs = start(tmp_path, run, processes=2, JAXKIT_HEARTBEAT_TIMEOUT_S="10")
+    wait_for_records(tmp_path, 2, procs[0])
     procs[1].kill()  # kill -9 in the middle of training
     killed = time.monotonic()
-    try:
-        procs[0].communicate(timeout=90)
-    finally:
-        for p in procs:
-            p.kill()
-    assert procs[0].returncode != 0
+    (returncode, _), _ = finish(procs, timeout=90)
+    assert returncode != 0
     assert time.monotonic() - killed < 90
 
 
 def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path):
-    port = free_port()
     args = ["mlp_digits", "train.steps=400", "train.log_every=10", "checkpoint.every=0"]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jaxkit",
-                "train",
-                *args,
-                "--host-devices",
-                "4",
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-                "--workdir",
-                str(tmp_path),
-                "--no-progress",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=ROOT),
-        )
-        for i in range(2)
-    ]
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert time.monotonic() < deadline and procs[0].poll() is None, "never started"
-        time.sleep(0.1)
+    procs = start(tmp_path, args, processes=2)
+    wait_for_records(tmp_path, 2, procs[0])
     procs[0].send_signal(signal.SIGTERM)  # a preemption notice reaches one host
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    results = finish(procs, timeout=120)
+    assert [rc for rc, _ in results] == [0, 0], results
+    outs = [out for _, out in results]
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert len(saved) == 1 and 0 < saved[0] < 400  # one checkpoint, the same for both
     assert f"saved checkpoint at micro-step {saved[0]}" in outs[0]
-    results = launch(tmp_path, processes=2, run=args)  # and the pair resumes it
+    results = launch(tmp_path, args, processes=2)  # and the pair resumes it
     assert all(rc == 0 for rc, _ in results), results
     assert records(tmp_path)[-1]["step"] == 400
