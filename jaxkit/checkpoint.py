@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxkit.config import flatten
+from jaxkit.workdir import absolute, missing_gcs_support
 
 # Config keys that may differ between a run and its resumption: where it runs, how the batch
 # is split (the global batch is checked on its own), and what is logged or saved.
@@ -71,10 +71,19 @@ def config_conflicts(saved: dict, current: dict) -> list[str]:
 
 
 class Checkpointer:
-    """Saves and restores train states under WORKDIR/checkpoints/."""
+    """Saves and restores train states under WORKDIR/checkpoints/, a local path or a URL.
+
+    On gs://, orbax writes through tensorstore's GCS driver and, since a rename there is a
+    copy, marks a whole save with a commit file instead of renaming a temporary directory.
+    """
 
     def __init__(self, directory: str | os.PathLike, keep: int, warn: Callable[[str], None]):
-        self.directory = pathlib.Path(directory).absolute()
+        missing = missing_gcs_support(directory)
+        if missing:
+            raise CheckpointError(missing)
+        # An epath.Path: orbax picks its GCS code paths from a "gs://" prefix, which a
+        # pathlib.Path would have turned into a local "gs:/" directory.
+        self.directory = absolute(directory)
         self.warn = warn
         self.manager = ocp.CheckpointManager(
             self.directory,

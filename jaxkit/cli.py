@@ -6,7 +6,6 @@ import argparse
 import datetime
 import json
 import os
-import pathlib
 import sys
 from typing import TYPE_CHECKING
 
@@ -45,7 +44,9 @@ def make_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train and write config, plan and metrics to a workdir")
     _common(train)
     train.add_argument(
-        "--workdir", metavar="DIR", help="where to write (default runs/CONFIG-TIMESTAMP)"
+        "--workdir",
+        metavar="DIR",
+        help="where to write: a path or gs://BUCKET/PATH (default runs/CONFIG-TIMESTAMP)",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     multi = train.add_argument_group(
@@ -152,12 +153,13 @@ def main(argv: list[str] | None = None) -> int:
 def _train(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
     from jaxkit.loop import train
     from jaxkit.records import NonFiniteLossError
+    from jaxkit.workdir import absolute
 
     workdir = opts.workdir
     if workdir is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         workdir = os.path.join("runs", f"{config.name}-{stamp}")
-    print(f"workdir: {pathlib.Path(workdir).resolve()}")
+    print(f"workdir: {absolute(workdir)}")  # a gs:// URL as given
     try:
         train(
             config,

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import pathlib
 import signal
 import sys
 import threading
@@ -40,6 +39,7 @@ from jaxkit.records import (
     summarize,
 )
 from jaxkit.train_step import Setup, TrainState, build
+from jaxkit.workdir import as_path, is_local, profiler_can_write
 
 
 @dataclasses.dataclass
@@ -104,8 +104,10 @@ def train(
     """
     t, seed = config.train, config.train.seed
     profile = parse_profile_steps(t.profile_steps, t.steps)  # fails before any work
-    if profile and workdir is None:
-        raise ConfigError("train.profile_steps writes to WORKDIR/profile/: give a workdir")
+    if profile and (workdir is None or not profiler_can_write(workdir)):
+        raise ConfigError(
+            "train.profile_steps writes to WORKDIR/profile/: give a workdir (a local path or gs://)"
+        )
     if jax.process_index() != 0:  # one voice: only process 0 prints and writes
         echo, progress = (lambda *args: None), False
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
@@ -123,7 +125,7 @@ def train(
     checkpointer, restored = None, None
     if workdir is not None:
         checkpointer = Checkpointer(
-            pathlib.Path(workdir, "checkpoints"), config.checkpoint.keep, warn=echo
+            as_path(workdir) / "checkpoints", config.checkpoint.keep, warn=echo
         )
         restored = resume(checkpointer, setup, config, plan, allow_batch_change, echo)
     start_micro_step = 0
@@ -135,7 +137,7 @@ def train(
     start_step, start_micro = divmod(start_micro_step, accum_steps)
     if start_step >= t.steps and workdir is not None:
         echo(f"{workdir} holds a finished run of {t.steps} steps; nothing to do")
-        summary_file = pathlib.Path(workdir, "summary.json")
+        summary_file = as_path(workdir) / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
         return RunResult(plan=plan, state=state, records=[], summary=summary)
 
@@ -196,7 +198,7 @@ def train(
             _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
             pending = None
 
-    profile_dir = pathlib.Path(workdir, "profile") if workdir is not None else None
+    profile_dir = as_path(workdir) / "profile" if workdir is not None else None
     tracing, stop_signal = False, None
     # With several processes, JAX's preemption service takes SIGTERM and agrees on the
     # micro-step at which every process stops, so all save the same checkpoint.
@@ -206,7 +208,9 @@ def train(
             for step in range(start_step, t.steps):
                 if profile and step == profile[0] and profile_dir is not None:
                     drain()  # the trace starts with the devices idle, at a step boundary
-                    jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
+                    # JAX converts to Perfetto with pathlib, local paths only (jax#19263).
+                    perfetto = is_local(profile_dir)
+                    jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=perfetto)
                     tracing = True
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
                     first_micro = start_micro if step == start_step else 0

@@ -1,14 +1,24 @@
 """The run directory: resolved config, batch plan, metrics as JSON lines and TensorBoard
-scalars, summary. Only process 0 writes one."""
+scalars, summary. Only process 0 writes one.
+
+The directory may be a URL (`gs://bucket/run`). Object stores cannot append, so there the
+two files that grow line by line, metrics.jsonl and the TensorBoard event file, are written
+in a local staging directory and uploaded whole: with the first record, then at most every
+`UPLOAD_EVERY_S` seconds, and when the run ends.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import pathlib
+import shutil
+import tempfile
+import time
 
 import tensorboardX
+
+from jaxkit.workdir import as_path, is_local, make_dirs, write_text_atomic
 
 # metrics.jsonl key -> TensorBoard tag, for train records and eval records.
 TRAIN_TAGS = {
@@ -22,6 +32,11 @@ TRAIN_TAGS = {
 }
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_accuracy": "eval/accuracy"}
 
+# Seconds between uploads of the growing files to an object store. An upload blocks the
+# loop for a round trip (process 0 only, but the others wait at the next collective), and
+# GCS takes about one write per second to the same object: 30 s keeps that well under 1%.
+UPLOAD_EVERY_S = 30.0
+
 
 def _jsonable(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
@@ -30,30 +45,49 @@ def _jsonable(value: object) -> object:
 
 
 class RunDir:
-    """Writes a run's files; every metrics line is flushed as soon as it is written."""
+    """Writes a run's files; every metrics line is flushed as soon as it is written (and
+    uploaded within `upload_every_s` when the run directory is a URL)."""
 
-    def __init__(self, workdir: str | os.PathLike, resume_after_step: int | None = None):
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        resume_after_step: int | None = None,
+        *,
+        upload_every_s: float = UPLOAD_EVERY_S,
+    ):
         """`resume_after_step`: drop what was logged after that step (a resumed run logs it
         again, from its checkpoint)."""
-        self.path = pathlib.Path(workdir)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path = as_path(workdir)
+        make_dirs(self.path)
         metrics = self.path / "metrics.jsonl"
         if resume_after_step is not None and metrics.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_after_step]
             self.write_lines("metrics.jsonl", [json.dumps(r) for r in kept])
+        self._remote = not is_local(self.path)
+        self._upload_every_s = upload_every_s
+        self._uploaded_at = -math.inf
+        self._uploaded_sizes: dict[str, int] = {}
+        # Where metrics.jsonl and tensorboard/ grow: the run directory itself, or for a URL a
+        # local copy that starts from what the run directory holds.
+        self._local = tempfile.mkdtemp(prefix="jaxkit-run-") if self._remote else str(self.path)
+        local_metrics = os.path.join(self._local, "metrics.jsonl")
+        if self._remote and metrics.exists():
+            with open(local_metrics, "w", encoding="utf-8") as f:
+                f.write(metrics.read_text(encoding="utf-8"))
+            self._uploaded_sizes["metrics.jsonl"] = os.path.getsize(local_metrics)
         # Held open for the run and flushed per line; close() ends it.
-        self._metrics = open(metrics, "a", encoding="utf-8")  # noqa: SIM115
+        self._metrics = open(local_metrics, "a", encoding="utf-8")  # noqa: SIM115
         # tensorboardX writes TensorBoard event files without TensorFlow; purge_step makes
-        # TensorBoard hide what an earlier attempt logged past the resumed step.
+        # TensorBoard hide what an earlier attempt logged past the resumed step (the earlier
+        # attempt's event files stay, a new file is added).
         self._tensorboard = tensorboardX.SummaryWriter(
-            str(self.path / "tensorboard"),
+            os.path.join(self._local, "tensorboard"),
             purge_step=None if resume_after_step is None else resume_after_step + 1,
         )
 
     def write_lines(self, name: str, lines: list[str]) -> None:
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        tmp.replace(self.path / name)  # atomic: a crash never leaves half a file
+        # A crash never leaves half a file: see write_text_atomic for local paths and URLs.
+        write_text_atomic(self.path / name, "".join(line + "\n" for line in lines))
 
     def write_json(self, name: str, obj: dict) -> None:
         self.write_lines(name, [json.dumps(obj, indent=2)])
@@ -71,10 +105,29 @@ class RunDir:
             if key in record:
                 self._tensorboard.add_scalar(tag, record[key], global_step=record["step"])
         self._tensorboard.flush()
+        if self._remote and time.monotonic() - self._uploaded_at >= self._upload_every_s:
+            self._upload()
+
+    def _upload(self) -> None:
+        """Copies what grew in the local staging directory to the run directory, whole."""
+        for root, _, files in os.walk(self._local):
+            for file in files:
+                local = os.path.join(root, file)
+                name = os.path.relpath(local, self._local)
+                size = os.path.getsize(local)
+                if self._uploaded_sizes.get(name) == size:
+                    continue  # both files only grow: an unchanged size is an unchanged file
+                with open(local, "rb") as f:
+                    (self.path / name).write_bytes(f.read())
+                self._uploaded_sizes[name] = size
+        self._uploaded_at = time.monotonic()
 
     def close(self) -> None:
         self._metrics.close()
         self._tensorboard.close()
+        if self._remote:
+            self._upload()  # if this fails, the staging directory is left for a manual copy
+            shutil.rmtree(self._local, ignore_errors=True)
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:
@@ -82,7 +135,8 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict]:
 
     Works on a run that is still writing or was killed: a last line cut short is skipped.
     """
-    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    text = (as_path(workdir) / "metrics.jsonl").read_text(encoding="utf-8")
+    lines = text.splitlines()
     records = []
     for i, line in enumerate(lines):
         if not line.strip():

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import statistics
 
+from etils import epath
 from matplotlib.figure import Figure  # no pyplot: no global backend state, no display needed
 
 from jaxkit.metrics import read_metrics
+from jaxkit.workdir import as_path, make_dirs, missing_gcs_support
 
 PLOTS = ("loss_vs_step.png", "loss_vs_examples.png", "throughput.png")
 
@@ -22,8 +23,16 @@ class ReportError(ValueError):
     """A directory that is not a jaxkit run."""
 
 
+def _check_reachable(path: str | os.PathLike) -> None:
+    missing = missing_gcs_support(path)
+    if missing:
+        raise ReportError(missing)
+
+
 def load_run(workdir: str | os.PathLike) -> dict:
-    path = pathlib.Path(workdir)
+    """A run's records, plan, summary and config, from a local path or a URL (gs://...)."""
+    path = as_path(workdir)
+    _check_reachable(path)
     if not (path / "metrics.jsonl").is_file():
         raise ReportError(f"{path} has no metrics.jsonl: not a jaxkit run directory")
     run = {"name": path.name, "path": path, "records": read_metrics(path)}
@@ -38,7 +47,12 @@ def _series(records: list[dict], key: str, x: str) -> tuple[list, list]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def _plot(runs: list[dict], out: pathlib.Path, x: str, xlabel: str, name: str) -> None:
+def _save(fig: Figure, path: epath.Path) -> None:
+    with path.open("wb") as f:  # a file object: savefig alone cannot write to gs://
+        fig.savefig(f, format="png", dpi=110)
+
+
+def _plot(runs: list[dict], out: epath.Path, x: str, xlabel: str, name: str) -> None:
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
     for run in runs:
@@ -54,10 +68,10 @@ def _plot(runs: list[dict], out: pathlib.Path, x: str, xlabel: str, name: str) -
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
+    _save(fig, out / name)
 
 
-def _plot_throughput(runs: list[dict], out: pathlib.Path) -> None:
+def _plot_throughput(runs: list[dict], out: epath.Path) -> None:
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
     for run in runs:
@@ -67,7 +81,7 @@ def _plot_throughput(runs: list[dict], out: pathlib.Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(out / PLOTS[2], dpi=110)
+    _save(fig, out / PLOTS[2])
 
 
 def _fmt(value: object, spec: str = ".4f") -> str:
@@ -97,11 +111,13 @@ def summary_row(run: dict) -> dict:
 
 def write_report(
     workdirs: list[str | os.PathLike], out: str | os.PathLike | None = None
-) -> pathlib.Path:
+) -> epath.Path:
     """Writes the PNG plots and report.md for the runs; returns the report directory."""
     runs = [load_run(w) for w in workdirs]
-    out_dir = pathlib.Path(out) if out else runs[0]["path"] / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out:
+        _check_reachable(out)
+    out_dir = as_path(out) if out else runs[0]["path"] / "report"
+    make_dirs(out_dir)
     _plot(runs, out_dir, "step", "optimizer step", PLOTS[0])
     _plot(runs, out_dir, "examples_seen", "examples seen", PLOTS[1])
     _plot_throughput(runs, out_dir)
