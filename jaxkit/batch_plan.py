@@ -89,10 +89,10 @@ class BatchPlan:
             factor = ratio if self.lr_scaling == "linear" else f"sqrt({ratio})"
             lr_note = f"= {self.base_learning_rate:g} × {factor} ({self.lr_scaling})"
         rows.append(("learning_rate", f"{self.learning_rate:.6g}", lr_note))
-        return _format_table(("item", "value", "meaning"), rows)
+        return format_table(("item", "value", "meaning"), rows)
 
 
-def _format_table(header: Sequence[object], rows: Iterable[Sequence[object]]) -> str:
+def format_table(header: Sequence[object], rows: Iterable[Sequence[object]]) -> str:
     cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in row) for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = [
@@ -109,7 +109,7 @@ def splits_table(plans: list[BatchPlan]) -> str:
         (p.data_parallel_size, p.per_device_batch_size, p.grad_accum_steps, p.global_batch_size)
         for p in plans
     ]
-    return _format_table(header, rows)
+    return format_table(header, rows)
 
 
 def scaled_learning_rate(

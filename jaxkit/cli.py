@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import jax
     import ml_collections
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
@@ -41,6 +42,28 @@ def make_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the batch plan without training")
     _common(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    plan.add_argument(
+        "--all-splits",
+        action="store_true",
+        help="every valid (devices, per-device batch, accumulation) for the global batch, each "
+        "with its compiled per-device memory and FLOPs (compiles, runs nothing)",
+    )
+    plan.add_argument(
+        "--device-counts",
+        metavar="N,N,...",
+        help="device counts --all-splits considers (default: every divisor of the live count)",
+    )
+    plan.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="per-device memory to fit, e.g. 16GiB (default: the device's own, where JAX "
+        "reports it; CPUs report none)",
+    )
+    plan.add_argument(
+        "--max-per-device-batch",
+        action="store_true",
+        help="find the largest per-device batch under the memory budget by compile-only search",
+    )
     train = sub.add_parser("train", help="train and write config, plan and metrics to a workdir")
     _common(train)
     train.add_argument(
@@ -117,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     from jaxkit import mesh as mesh_lib
-    from jaxkit.batch_plan import BatchPlanError, plan_from_config
+    from jaxkit.batch_plan import BatchPlanError
     from jaxkit.checkpoint import CheckpointError
     from jaxkit.config import ConfigError, apply_overrides, load_config
     from jaxkit.data import DataError
@@ -128,15 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(name)
         apply_overrides(config, overrides)
         if opts.command == "plan":
-            import jax
-
-            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), jax.device_count())
-            plan = plan_from_config(config, shape)
-            if opts.json:
-                print(json.dumps(plan.to_json()))
-            else:
-                print(plan.table())
-            return 0
+            return _plan(config, opts)
         return _train(config, opts)
     except (
         ConfigError,
@@ -145,9 +160,157 @@ def main(argv: list[str] | None = None) -> int:
         DataError,
         CheckpointError,
         DistributedError,
+        PlanError,
     ) as err:
         print(f"jaxkit: error: {err}", file=sys.stderr)
         return 2
+
+
+def _plan(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
+    import jax
+    import tqdm
+
+    from jaxkit import costs
+    from jaxkit import mesh as mesh_lib
+    from jaxkit.batch_plan import format_table, plan_from_config
+
+    devices = jax.devices()
+    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    plan = plan_from_config(config, shape)  # the configured plan must hold on the live mesh
+    if not (opts.all_splits or opts.max_per_device_batch):
+        print(json.dumps(plan.to_json()) if opts.json else plan.table())
+        return 0
+    budget = _memory_budget(opts.memory_budget, devices[0])
+    if opts.max_per_device_batch:
+        if budget is None:
+            raise PlanError(
+                f"{devices[0].platform} devices report no memory limit: give --memory-budget, "
+                "e.g. --memory-budget 2GiB"
+            )
+        return _max_batch(config, devices, budget, opts.json)
+    counts = _device_counts(opts.device_counts, len(devices))
+    splits = costs.enumerate_splits(config, counts)
+    if not splits:
+        raise PlanError(
+            f"no device count in {counts} divides global_batch_size={plan.global_batch_size} "
+            "with this mesh"
+        )
+    with tqdm.tqdm(total=len(splits), unit="compile", file=sys.stderr, disable=opts.json) as bar:
+
+        def compiled(split: costs.Split) -> None:
+            bar.set_postfix_str(f"devices={split.devices} per_device={split.key[1]}")
+            bar.update(1)
+
+        splits = costs.with_costs(config, splits, devices, progress=compiled)
+    chosen = costs.recommend(splits, budget, len(devices)) if budget is not None else None
+    if opts.json:
+        print(
+            json.dumps(
+                {
+                    "memory_budget_bytes": budget,
+                    "recommended": chosen.plan.to_json() if chosen else None,
+                    "splits": [
+                        {"devices": s.devices, **s.plan.to_json(), **s.cost.to_json()}
+                        for s in splits
+                        if s.cost is not None
+                    ],
+                }
+            )
+        )
+        return 0
+    print(
+        f"global_batch_size={plan.global_batch_size}: every split on {', '.join(map(str, counts))} "
+        f"{devices[0].platform} devices, compiled per-device memory "
+        "(argument + output − alias + temp) and FLOPs per optimizer step"
+    )
+    print(format_table(costs.SPLIT_HEADER, costs.splits_cost_table(splits, budget, chosen)))
+    if budget is None:
+        print(f"{devices[0].platform} devices report no memory limit: give --memory-budget SIZE")
+    elif chosen is None:
+        print(
+            f"no split on {len(devices)} devices fits {costs.format_bytes(budget)}: "
+            "a smaller model, a smaller global batch or more devices"
+        )
+    else:
+        p = chosen.plan
+        print(
+            f"recommended on {len(devices)} devices within {costs.format_bytes(budget)}: "
+            f"per_device_batch_size={p.per_device_batch_size} "
+            f"grad_accum_steps={p.grad_accum_steps} (the largest per-device batch that fits, "
+            "then the fewest accumulation steps)"
+        )
+    return 0
+
+
+class PlanError(ValueError):
+    """A `jaxkit plan` request that cannot be answered."""
+
+
+def _memory_budget(text: str | None, device: jax.Device) -> int | None:
+    from jaxkit import costs
+
+    if text is None:
+        return costs.device_memory_bytes(device)
+    try:
+        return costs.parse_bytes(text)
+    except ValueError as err:
+        raise PlanError(f"--memory-budget: {err}") from None
+
+
+def _device_counts(text: str | None, live: int) -> list[int]:
+    if text is None:
+        return [n for n in range(live, 0, -1) if live % n == 0]
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise PlanError(f"--device-counts={text!r} is not a comma-separated list") from None
+    bad = [n for n in counts if not 1 <= n <= live]
+    if bad:
+        raise PlanError(f"--device-counts: {bad} outside 1..{live} (the live device count)")
+    return counts
+
+
+def _max_batch(config: ml_collections.ConfigDict, devices: list, budget: int, as_json: bool) -> int:
+    from jaxkit import costs
+
+    result = costs.max_per_device_batch(
+        config,
+        devices,
+        budget,
+        progress=lambda b, memory: (
+            None
+            if as_json
+            else print(
+                f"  per_device_batch_size={b}: {costs.format_bytes(memory)}", file=sys.stderr
+            )
+        ),
+    )
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "memory_budget_bytes": budget,
+                    "max_per_device_batch_size": result.per_device_batch_size,
+                    "memory_bytes": result.cost.memory_bytes if result.cost else None,
+                    "compiles": result.compiles,
+                    "seconds": result.seconds,
+                    "tried": {str(b): m for b, m in sorted(result.tried.items())},
+                }
+            )
+        )
+        return 0
+    if result.cost is None:
+        print(
+            f"even per_device_batch_size=1 needs "
+            f"{costs.format_bytes(result.tried[1])} > {costs.format_bytes(budget)} per device"
+        )
+        return 1
+    print(
+        f"max per_device_batch_size={result.per_device_batch_size} on {len(devices)} devices: "
+        f"{costs.format_bytes(result.cost.memory_bytes)} of {costs.format_bytes(budget)} "
+        f"({result.compiles} compiles, {result.seconds:.1f} s, nothing executed)"
+    )
+    return 0
 
 
 def _train(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:

@@ -24,8 +24,10 @@ import numpy as np
 import tqdm
 from jax.experimental.multihost_utils import reached_preemption_sync_point
 
+from jaxkit import costs
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
+from jaxkit import peak as peak_lib
 from jaxkit.batch_plan import BatchPlan, plan_from_config
 from jaxkit.checkpoint import Checkpointer, resume
 from jaxkit.config import ConfigError, config_to_json
@@ -121,7 +123,13 @@ def train(
 
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())
-    tracker = StepTracker(config, plan, setup)
+    # Compiled once, ahead of time: the loop calls this executable, and its cost analysis
+    # gives the FLOPs behind the throughput and MFU every record carries.
+    step_fn, cost = costs.compile_setup_step(config, plan, setup)
+    peak = None
+    if jax.process_index() == 0:  # only process 0 reports
+        peak = peak_lib.device_peak(mesh.local_devices)
+    tracker = StepTracker(config, plan, setup, cost, peak)
     checkpointer, restored = None, None
     if workdir is not None:
         checkpointer = Checkpointer(
@@ -225,7 +233,7 @@ def train(
                             batch = data_lib.load_micro_batch(
                                 train_source, step, micro, plan, seed, setup.batch_sharding
                             )
-                        state, metrics = setup.step(state, batch)
+                        state, metrics = step_fn(state, batch)
                         if pending is not None:
                             _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
                         pending = (step, micro, metrics)

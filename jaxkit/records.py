@@ -15,6 +15,8 @@ import numpy as np
 
 from jaxkit import data as data_lib
 from jaxkit.batch_plan import BatchPlan
+from jaxkit.costs import StepCost
+from jaxkit.peak import Peak
 from jaxkit.train_step import Setup
 
 
@@ -25,8 +27,16 @@ class NonFiniteLossError(RuntimeError):
 class StepTracker:
     """Host-side bookkeeping for fetched micro-steps: losses, timing, non-finite streaks."""
 
-    def __init__(self, config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup):
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        plan: BatchPlan,
+        setup: Setup,
+        cost: StepCost | None = None,
+        peak: Peak | None = None,
+    ):
         self.plan, self.setup = plan, setup
+        self.cost, self.peak = cost, peak  # compiled FLOPs per step; the devices' peak
         self.log_every = config.train.log_every
         self.max_nonfinite = config.train.max_nonfinite_in_row
         self.losses: list[float] = []
@@ -34,7 +44,7 @@ class StepTracker:
         self.all_times: list[float] = []
         self.nonfinite_in_row = 0
         self.skipped = 0
-        self.first_step_s = 0.0  # the first optimizer step, compilation included
+        self.first_step_s = 0.0  # the first optimizer step: warm-up, kept out of throughput
         self.first_step_done = False
         self.last_mark = time.perf_counter()
         # Where this process started counting: optimizer steps and examples before it.
@@ -86,7 +96,7 @@ class StepTracker:
         elapsed, self.last_mark = now - self.last_mark, now
         if not self.first_step_done:
             self.first_step_done = True
-            self.first_step_s = elapsed  # includes compilation: kept out of throughput
+            self.first_step_s = elapsed
         else:
             self.window_times.append(elapsed)
             self.all_times.append(elapsed)
@@ -111,7 +121,20 @@ class StepTracker:
         if plan.seq_len is not None and plan.tokens_per_step is not None:
             record["tokens_seen"] = record["examples_seen"] * plan.seq_len
             record["tokens_per_s"] = plan.tokens_per_step / step_time
+        record.update(self.utilisation(step_time))
         return record
+
+    def utilisation(self, step_time: float | None) -> dict:
+        """FLOPs per optimizer step and achieved FLOP/s per device, and MFU against the peak."""
+        if self.cost is None or not step_time:
+            return {}
+        out = {
+            "flops_per_step": self.cost.flops_per_step,
+            "flops_per_s": self.cost.flops_per_step / step_time,
+        }
+        if self.peak is not None:
+            out["mfu"] = out["flops_per_s"] / self.peak.flops_per_s
+        return out
 
     def close_window(self) -> None:
         self.window_times = []
@@ -167,6 +190,12 @@ def summarize(
     }
     if plan.tokens_per_step is not None and step_time:
         summary["tokens_per_s"] = plan.tokens_per_step / step_time
+    summary.update(tracker.utilisation(step_time))
+    if tracker.cost is not None:
+        summary["compile_s"] = tracker.cost.compile_s
+        summary["memory_bytes"] = tracker.cost.memory_bytes  # compiled, per device
+    if tracker.peak is not None:
+        summary.update(tracker.peak.to_json())
     if isinstance(eval_source, data_lib.TokenWindows):
         summary["unigram_entropy"] = eval_source.unigram_entropy()
     return summary
@@ -178,9 +207,16 @@ def format_summary(s: dict) -> str:
         rate = f"{s['examples_per_s']:,.1f} examples/s"
         if "tokens_per_s" in s:
             rate += f", {s['tokens_per_s']:,.0f} tokens/s"
+        compile_s = f"compile {s['compile_s']:.1f} s, " if "compile_s" in s else ""
         lines.append(
             f"  median step {s['median_step_time_s'] * 1e3:.1f} ms ({rate}); "
-            f"first step incl. compile {s['first_step_s']:.1f} s"
+            f"{compile_s}first step {s['first_step_s']:.1f} s"
+        )
+    if "flops_per_s" in s:
+        mfu = f", MFU {s['mfu']:.1%} of {s['peak_source']}" if "mfu" in s else ""
+        lines.append(
+            f"  {s['flops_per_step'] / 1e9:,.3g} GFLOPs per step per device (compiled), "
+            f"{s['flops_per_s'] / 1e9:,.3g} GFLOP/s per device{mfu}"
         )
     if s["eval_loss"] is not None:
         if "unigram_entropy" in s:

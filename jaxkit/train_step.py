@@ -121,7 +121,7 @@ class Setup:
     # per call, sharded as fused_batch_sharding, and makes a whole optimizer step.
     accumulation: str
     fused_batch_sharding: jax.sharding.NamedSharding
-    step: Callable  # jitted (state, batch) -> (state, metrics), state donated
+    step: jax.stages.Wrapped  # jitted (state, batch) -> (state, metrics), state donated
     eval_step: Callable  # jitted (params, batch) -> metrics
 
 
