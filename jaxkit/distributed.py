@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 
 import jax
 import numpy as np
@@ -28,8 +29,25 @@ class DistributedError(RuntimeError):
     """Processes that cannot form one run."""
 
 
-def on_cloud_tpu_vm() -> bool:
-    return bool(os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("TPU_ACCELERATOR_TYPE"))
+# TPU chips are PCI devices of Google's vendor id with these device ids (v3, v4, v5p, v5e,
+# v6e, 7x, and one unnamed); Google's virtual NIC shares the vendor id on every GCE VM.
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")
+
+
+def on_cloud_tpu_vm(pci_devices: str = "/sys/bus/pci/devices") -> bool:
+    """A TPU host: GKE sets TPU_* variables; a plain TPU VM shows its chips on the PCI bus."""
+    if os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("TPU_ACCELERATOR_TYPE"):
+        return True
+    for device in pathlib.Path(pci_devices).glob("*"):
+        try:
+            vendor = (device / "vendor").read_text().strip()
+            model = (device / "device").read_text().strip()
+        except OSError:
+            continue
+        if vendor == GOOGLE_PCI_VENDOR and model in TPU_PCI_DEVICES:
+            return True
+    return False
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:

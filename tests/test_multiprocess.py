@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 
+from jaxkit import distributed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = [
     "mlp_digits",
@@ -168,3 +170,22 @@ def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path):
     results = launch(tmp_path, args, processes=2)  # and the pair resumes it
     assert all(rc == 0 for rc, _ in results), results
     assert records(tmp_path)[-1]["step"] == 400
+
+
+def _pci(root, name, vendor, device):
+    (root / name).mkdir(parents=True)
+    (root / name / "vendor").write_text(vendor + "\n")
+    (root / name / "device").write_text(device + "\n")
+
+
+def test_a_tpu_vm_is_known_by_its_pci_chips_not_by_google_nics(tmp_path, monkeypatch):
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    _pci(tmp_path, "0000:00:04.0", "0x1ae0", "0x0042")  # gVNIC: on every GCE VM
+    _pci(tmp_path, "0000:00:05.0", "0x8086", "0x005e")  # another vendor, a TPU-like id
+    assert not distributed.on_cloud_tpu_vm(str(tmp_path))
+    _pci(tmp_path, "0000:00:06.0", "0x1ae0", "0x005e")  # a TPU v4 chip
+    assert distributed.on_cloud_tpu_vm(str(tmp_path))
+    assert not distributed.on_cloud_tpu_vm(str(tmp_path / "missing"))
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1,t2")  # GKE
+    assert distributed.on_cloud_tpu_vm(str(tmp_path / "missing"))
