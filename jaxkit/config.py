@@ -64,6 +64,8 @@ def base_config() -> ml_collections.ConfigDict:
     # optimizer step). fused: one call per optimizer step, a local scan over the K
     # micro-batches and one all-reduce; params are gathered whole inside the step.
     c.train.accumulation = "multisteps"  # multisteps | fused
+    # Smoothing of the gradient noise scale estimate, per optimizer step (see noise_scale.py).
+    c.train.noise_scale_decay = 0.95
     c.train.profile_steps = ""  # "START:END": trace optimizer steps START..END-1; "" = off
 
     # With a workdir, a run also checkpoints on SIGTERM/SIGINT and at the end.

@@ -38,7 +38,7 @@ def fused_train_step(
     """One optimizer step on a (K, micro_batch, ...) batch: local scan, one pmean."""
     accum_steps = jax.tree.leaves(batch)[0].shape[0]
 
-    def local(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, jax.Array, jax.Array]:
+    def local(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
         # Replicated params are invariant across the batch axes; grad would then insert its
         # own psum. Marking them varying keeps the gradient local until the one pmean below.
         params = jax.tree.map(lambda p: jax.lax.pcast(p, BATCH_AXES, to="varying"), params)
@@ -48,28 +48,31 @@ def fused_train_step(
                 return cross_entropy(nnx.merge(graphdef, p)(mb["inputs"]), mb["targets"])
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
-            finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-            return jax.tree.map(jnp.add, grad_sum, grads), (loss, ~finite)
+            norm = optax.tree.norm(grads)
+            finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+            return jax.tree.map(jnp.add, grad_sum, grads), (loss, ~finite, norm**2)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grad_sum, (losses, nonfinite) = jax.lax.scan(micro, zeros, batch_KxB)
+        grad_sum, (losses, nonfinite, local_sq) = jax.lax.scan(micro, zeros, batch_KxB)
         # The one cross-device reduction of the step: the mean over all K × devices shards
-        # equals the mean gradient of the global batch (equal-sized micro-batches).
-        grads, loss, bad = jax.lax.pmean(
+        # equals the mean gradient of the global batch (equal-sized micro-batches). It also
+        # carries each device's micro-batch gradient norms, for the noise scale.
+        grads, loss, bad, small_sq = jax.lax.pmean(
             (
                 jax.tree.map(lambda g: g / accum_steps, grad_sum),
                 jnp.mean(losses),
                 jnp.sum(nonfinite).astype(jnp.float32),
+                jnp.mean(local_sq),
             ),
             BATCH_AXES,
         )
-        return grads, loss, bad
+        return grads, loss, bad, small_sq
 
-    grads, loss, bad = jax.shard_map(
+    grads, loss, bad, small_sq = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(P(), P(None, BATCH_AXES)),
-        out_specs=(P(), P(), P()),
+        out_specs=(P(), P(), P(), P()),
     )(state.params, batch)
 
     ms = state.opt_state
@@ -90,5 +93,11 @@ def fused_train_step(
         micro_step=state.micro_step + accum_steps,
     )
     nonfinite = jnp.where(ok, 0, accum_steps).astype(jnp.int32)
-    metrics = {"loss": loss, "grad_norm": inner[0].grad_norm, "nonfinite": nonfinite}
+    metrics = {
+        "loss": loss,
+        "grad_norm": inner[0].grad_norm,
+        "nonfinite": nonfinite,
+        # Mean |gradient|² of one device's share of a micro-batch (per_device rows).
+        "small_grad_sq": small_sq,
+    }
     return new_state, metrics

@@ -211,6 +211,7 @@ def train(
     # With several processes, JAX's preemption service takes SIGTERM and agrees on the
     # micro-step at which every process stops, so all save the same checkpoint.
     multi_process = jax.process_count() > 1
+    tracker.restart_clock()  # the first step's time starts here, not at set-up
     with _stop_requests(handle_sigterm=not multi_process) as stop:
         try:
             for step in range(start_step, t.steps):

@@ -16,6 +16,7 @@ import numpy as np
 from jaxkit import data as data_lib
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.costs import StepCost
+from jaxkit.noise_scale import NoiseScale
 from jaxkit.peak import Peak
 from jaxkit.train_step import Setup
 
@@ -37,6 +38,17 @@ class StepTracker:
     ):
         self.plan, self.setup = plan, setup
         self.cost, self.peak = cost, peak  # compiled FLOPs per step; the devices' peak
+        # The noise scale's small batch: a micro-batch, or one device's share of it (fused).
+        b_small = (
+            plan.per_device_batch_size if setup.accumulation == "fused" else plan.micro_batch_size
+        )
+        self.noise_scale = (
+            NoiseScale(b_small, plan.global_batch_size, config.train.noise_scale_decay)
+            if b_small < plan.global_batch_size
+            else None  # one micro-batch on one device per step: no second batch size
+        )
+        self.small_grad_sq: list[float] = []  # this optimizer step's, one per call
+        self.step_nonfinite = 0
         self.log_every = config.train.log_every
         self.max_nonfinite = config.train.max_nonfinite_in_row
         self.losses: list[float] = []
@@ -58,10 +70,18 @@ class StepTracker:
             "skipped_micro_batches": self.skipped,
             "nonfinite_in_row": self.nonfinite_in_row,
             "examples_seen": self.base_examples + (step - self.base_step) * self._global(),
+            "partial_step_small_grad_sq": list(self.small_grad_sq),
+            "partial_step_nonfinite": self.step_nonfinite,
+            "noise_scale": self.noise_scale.state() if self.noise_scale else None,
         }
 
     def load_loop_state(self, saved: dict) -> None:
         self.losses = [float(x) for x in saved["partial_step_losses"]]
+        self.small_grad_sq = [float(x) for x in saved.get("partial_step_small_grad_sq", [])]
+        self.step_nonfinite = int(saved.get("partial_step_nonfinite", 0))
+        if self.noise_scale and saved.get("noise_scale"):
+            # Batch sizes may differ after a plan change: the averages carry over regardless.
+            self.noise_scale.load(saved["noise_scale"])
         self.skipped = int(saved["skipped_micro_batches"])
         self.nonfinite_in_row = int(saved["nonfinite_in_row"])
         self.base_step, self.base_examples = int(saved["step"]), int(saved["examples_seen"])
@@ -76,7 +96,9 @@ class StepTracker:
         """Takes a fetched micro-step; returns the step's record when it ends a log window."""
         m = jax.device_get(metrics)
         self.losses.append(float(m["loss"]))
+        self.small_grad_sq.append(float(m["small_grad_sq"]))
         nonfinite = int(m["nonfinite"])
+        self.step_nonfinite += nonfinite
         if nonfinite == 0:
             self.nonfinite_in_row = 0
         else:
@@ -100,7 +122,11 @@ class StepTracker:
         else:
             self.window_times.append(elapsed)
             self.all_times.append(elapsed)
-        record = self._record(done, float(m["grad_norm"]))
+        grad_norm = float(m["grad_norm"])
+        if self.noise_scale and self.step_nonfinite == 0:
+            self.noise_scale.update(float(np.mean(self.small_grad_sq)), grad_norm**2)
+        self.small_grad_sq, self.step_nonfinite = [], 0
+        record = self._record(done, grad_norm)
         self.losses = []
         return record
 
@@ -122,6 +148,8 @@ class StepTracker:
             record["tokens_seen"] = record["examples_seen"] * plan.seq_len
             record["tokens_per_s"] = plan.tokens_per_step / step_time
         record.update(self.utilisation(step_time))
+        if self.noise_scale:
+            record.update(self.noise_scale.estimate())
         return record
 
     def utilisation(self, step_time: float | None) -> dict:
@@ -179,6 +207,7 @@ def summarize(
     summary = {
         "config": config.get("name"),
         "steps": config.train.steps,
+        "global_batch_size": plan.global_batch_size,
         "final_loss": train_records[-1]["loss"] if train_records else None,
         "eval_loss": eval_records[-1]["eval_loss"] if eval_records else None,
         "eval_accuracy": eval_records[-1]["eval_accuracy"] if eval_records else None,
@@ -191,6 +220,8 @@ def summarize(
     if plan.tokens_per_step is not None and step_time:
         summary["tokens_per_s"] = plan.tokens_per_step / step_time
     summary.update(tracker.utilisation(step_time))
+    if tracker.noise_scale:
+        summary.update(tracker.noise_scale.estimate())
     if tracker.cost is not None:
         summary["compile_s"] = tracker.cost.compile_s
         summary["memory_bytes"] = tracker.cost.memory_bytes  # compiled, per device
@@ -229,6 +260,11 @@ def format_summary(s: dict) -> str:
             lines.append(
                 f"  eval loss {s['eval_loss']:.4f}, eval accuracy {s['eval_accuracy']:.1%}"
             )
+    if "noise_scale" in s:
+        lines.append(
+            f"  gradient noise scale B_simple ≈ {s['noise_scale']:,.0f} rows (the critical "
+            f"batch to first order; this run's global batch is {s['global_batch_size']})"
+        )
     if s["skipped_micro_batches"]:
         lines.append(f"  skipped {s['skipped_micro_batches']} non-finite micro-batches")
     return "\n".join(lines)

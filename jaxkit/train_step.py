@@ -226,6 +226,9 @@ def train_step(
         "loss": loss,
         "grad_norm": applied_grad_norm(opt_state),
         "nonfinite": (~finite).astype(jnp.int32),  # micro-batches skipped by this call
+        # |gradient|² of this micro-batch (data_parallel × per_device rows): the noise
+        # scale's small-batch gradient, next to the accumulated one behind grad_norm.
+        "small_grad_sq": optax.tree.norm(grads) ** 2,
     }
     return new_state, metrics
 
