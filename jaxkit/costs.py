@@ -6,13 +6,13 @@ grad_accum_steps). For each, the train step is lowered and compiled on abstract 
 tells its per-device memory and FLOPs:
 
     memory = argument + output − alias + temp      (XLA's peak figure omits temps on CPU)
-    flops  = cost_analysis()["flops"] per call × calls per optimizer step
+    flops  = K × cost_analysis()["flops"] per call − (K − 1) × the optimizer update's
 
 `cost_analysis` describes the partitioned per-device program, so both figures are per
 device. With MultiSteps the step is called K times per optimizer step. The fused step is one
 call, but XLA's cost analysis counts a loop body once, not once per trip; so it too counts
-as K calls, which counts its optimizer update K times instead of once (on the tiny LM at
-K = 2 the two modes' per-step FLOPs agree to 0.1%).
+as K calls. Either way the optimizer update, which runs once per step, is in every counted
+call, so StepCost.flops_per_step takes K − 1 of them back out.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import dataclasses
 import re
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan, plan_from_config
@@ -84,6 +86,7 @@ class StepCost:
     temp_bytes: int
     flops_per_call: float
     calls_per_step: int  # K: micro-steps per optimizer step (see the module docstring)
+    update_flops: float  # the inner optimizer's update, which runs once per optimizer step
     compile_s: float
 
     @property
@@ -92,8 +95,14 @@ class StepCost:
 
     @property
     def flops_per_step(self) -> float:
-        """FLOPs one device executes per optimizer step."""
-        return self.flops_per_call * self.calls_per_step
+        """FLOPs one device executes per optimizer step.
+
+        Each of the K counted calls includes the optimizer update (MultiSteps' lax.cond
+        counts its update branch whether or not it runs; the fused scan is counted once
+        around one update), which runs once: so K − 1 updates come off.
+        """
+        k = self.calls_per_step
+        return k * self.flops_per_call - (k - 1) * self.update_flops
 
     def to_json(self) -> dict:
         return {
@@ -149,25 +158,45 @@ def compile_setup_step(
     The loop calls the compiled step itself, so a run compiles once and knows its FLOPs.
     """
     start = time.perf_counter()
-    lowered = setup.step.lower(abstract_state(setup), abstract_batch(config, plan, setup))
-    compiled = lowered.compile()
-    return compiled, cost_of(compiled, plan.grad_accum_steps, time.perf_counter() - start)
+    state = abstract_state(setup)
+    compiled = setup.step.lower(state, abstract_batch(config, plan, setup)).compile()
+    seconds = time.perf_counter() - start
+    return compiled, cost_of(compiled, plan.grad_accum_steps, update_flops(setup, state), seconds)
 
 
-def cost_of(compiled: jax.stages.Compiled, calls_per_step: int, compile_s: float) -> StepCost:
-    memory = compiled.memory_analysis()
-    if memory is None:
-        raise RuntimeError("this backend gives no memory analysis of compiled programs")
+def update_flops(setup: Setup, state: Any) -> float:
+    """FLOPs per device of the inner optimizer's update and its application to the params."""
+    inner = setup.tx.inner_opt
+
+    def update(grads: Any, inner_state: Any, params: Any) -> Any:
+        updates, new_state = inner.update(grads, inner_state, params)
+        return optax.apply_updates(params, updates), new_state
+
+    args = (state.params, state.opt_state.inner_opt_state, state.params)
+    return _flops(jax.jit(update).lower(*args).compile())
+
+
+def _flops(compiled: jax.stages.Compiled) -> float:
     analysis = compiled.cost_analysis()
     if isinstance(analysis, list):  # older jax: one dict per program
         analysis = analysis[0]
+    return float((analysis or {}).get("flops", 0.0))
+
+
+def cost_of(
+    compiled: jax.stages.Compiled, calls_per_step: int, update: float, compile_s: float
+) -> StepCost:
+    memory = compiled.memory_analysis()
+    if memory is None:
+        raise RuntimeError("this backend gives no memory analysis of compiled programs")
     return StepCost(
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
-        flops_per_call=float((analysis or {}).get("flops", 0.0)),
+        flops_per_call=_flops(compiled),
         calls_per_step=calls_per_step,
+        update_flops=update,
         compile_s=compile_s,
     )
 

@@ -1,0 +1,167 @@
+"""Compiled memory and FLOPs per split, the recommendation, the batch search, and MFU."""
+
+import json
+
+import jax
+import pytest
+from test_cli import jaxkit
+
+from jaxkit import costs, peak
+from jaxkit.batch_plan import plan_from_config
+from jaxkit.config import apply_overrides, load_config
+from jaxkit.loop import train
+
+
+def _digits(*overrides):
+    config = load_config("mlp_digits")
+    apply_overrides(config, list(overrides))
+    return config
+
+
+def test_parse_bytes_reads_units_and_refuses_nonsense():
+    assert costs.parse_bytes("16GiB") == 16 * 2**30
+    assert costs.parse_bytes("512 MiB") == 512 * 2**20
+    assert costs.parse_bytes("1.5GB") == 1_500_000_000
+    assert costs.parse_bytes("2e9") == 2_000_000_000
+    for bad in ("16 parsecs", "GiB", "-1GiB", "0"):
+        with pytest.raises(ValueError):
+            costs.parse_bytes(bad)
+
+
+def test_every_split_of_the_seed_batch_is_listed_once():
+    splits = costs.enumerate_splits(_digits(), [8, 4, 2, 1])
+    keys = [(s.devices, s.plan.per_device_batch_size, s.plan.grad_accum_steps) for s in splits]
+    # 32 = n × b × k for n in 8, 4, 2, 1: every divisor b of 32/n.
+    expected = [(n, b, 32 // (n * b)) for n in (8, 4, 2, 1) for b in (32, 16, 8, 4, 2, 1)]
+    assert keys == [key for key in expected if (32 // key[0]) % key[1] == 0]
+    for seed in ((1, 32, 1), (4, 8, 1), (2, 8, 2), (1, 8, 4)):
+        assert seed in keys
+
+
+def test_memory_follows_the_micro_batch():
+    config = _digits()
+    devices = jax.devices()[:4]
+    splits = costs.with_costs(config, costs.enumerate_splits(config, [4]), devices)
+    by_b = {s.plan.per_device_batch_size: s.cost for s in splits}
+    assert set(by_b) == {8, 4, 2, 1}
+    memory = [by_b[b].memory_bytes for b in (1, 2, 4, 8)]
+    assert memory == sorted(memory) and memory[0] < memory[-1]
+    c = by_b[8]
+    assert c.memory_bytes == c.argument_bytes + c.output_bytes - c.alias_bytes + c.temp_bytes
+    assert c.alias_bytes > 0  # the donated state is written in place
+
+
+def test_fused_flops_count_every_micro_batch():
+    """cost_analysis counts the fused scan's body once; StepCost counts it K times.
+
+    Both modes do K micro-batch gradients and one update per optimizer step, so on the LM
+    (where the gradients dominate) their per-step FLOPs agree closely; counting the scan
+    body once would make fused 4× smaller.
+    """
+    devices = jax.devices()
+    multi = load_config("lm_tiny")
+    apply_overrides(multi, ["batch.per_device_batch_size=2"])  # 8 × 2 × 4
+    fused = load_config("lm_tiny")
+    apply_overrides(fused, ["batch.per_device_batch_size=2", "train.accumulation=fused"])
+    shape = {"data": 8, "fsdp": 1, "tensor": 1}
+    a = costs.step_cost(multi, plan_from_config(multi, shape), devices)
+    b = costs.step_cost(fused, plan_from_config(fused, shape), devices)
+    assert a.calls_per_step == b.calls_per_step == 4
+    assert 0 < b.update_flops < b.flops_per_call
+    assert b.flops_per_step == pytest.approx(a.flops_per_step, rel=0.01)
+
+
+def test_recommend_takes_the_largest_fitting_batch_then_fewest_steps():
+    config = _digits()
+    devices = jax.devices()
+    splits = costs.with_costs(config, costs.enumerate_splits(config, [8, 4]), devices)
+    on8 = sorted((s for s in splits if s.devices == 8), key=lambda s: s.plan.per_device_batch_size)
+    # A budget between the two largest per-device batches on 8 devices picks the second.
+    budget = (on8[-2].cost.memory_bytes + on8[-1].cost.memory_bytes) // 2
+    assert on8[-2].cost.memory_bytes <= budget < on8[-1].cost.memory_bytes
+    chosen = costs.recommend(splits, budget, devices=8)
+    assert chosen.key == on8[-2].key
+    assert costs.recommend(splits, 1, devices=8) is None
+
+
+def test_compile_only_search_finds_the_boundary():
+    config = _digits()
+    devices = jax.devices()
+    shape = {"data": 8, "fsdp": 1, "tensor": 1}
+
+    def memory(b):
+        c = costs.split_config(config, b, 1)
+        return costs.step_cost(c, plan_from_config(c, shape), devices).memory_bytes
+
+    budget = (memory(5) + memory(6)) // 2
+    found = costs.max_per_device_batch(config, devices, budget)
+    assert found.per_device_batch_size == 5
+    assert found.cost.memory_bytes <= budget < found.tried[6]
+    assert sorted(found.tried) == [1, 2, 4, 5, 6, 8]  # doubling to 8, then bisecting 4..8
+    assert costs.max_per_device_batch(config, devices, 1).per_device_batch_size == 0
+
+
+def test_plan_all_splits_json_and_the_text_table():
+    out = jaxkit(
+        "plan",
+        "mlp_digits",
+        "--all-splits",
+        "--device-counts",
+        "8,4",
+        "--memory-budget",
+        "10GiB",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["memory_budget_bytes"] == 10 * 2**30
+    got = {(s["data_parallel_size"], s["per_device_batch_size"]) for s in result["splits"]}
+    assert got == {(8, 4), (8, 2), (8, 1), (4, 8), (4, 4), (4, 2), (4, 1)}
+    assert all(s["global_batch_size"] == 32 and s["memory_bytes"] > 0 for s in result["splits"])
+    # Everything fits 10 GiB: the largest per-device batch on all 8 devices, K = 1.
+    rec = result["recommended"]
+    assert (rec["data_parallel_size"], rec["per_device_batch_size"]) == (8, 4)
+
+    text = jaxkit("plan", "mlp_digits", "--all-splits", "--device-counts", "8")
+    assert text.returncode == 0, text.stderr
+    assert "memory/device" in text.stdout and "give --memory-budget" in text.stdout
+
+
+def test_plan_max_batch_needs_a_budget_on_cpu_and_refuses_bad_sizes():
+    out = jaxkit("plan", "mlp_digits", "--max-per-device-batch")
+    assert out.returncode == 2 and "--memory-budget" in out.stderr
+    out = jaxkit("plan", "mlp_digits", "--all-splits", "--memory-budget", "lots")
+    assert out.returncode == 2 and "not a memory size" in out.stderr
+    out = jaxkit("plan", "mlp_digits", "--all-splits", "--device-counts", "16")
+    assert out.returncode == 2 and "outside 1..8" in out.stderr
+
+
+def test_peak_table_and_the_cached_cpu_peak(tmp_path, monkeypatch):
+    assert peak.table_peak("TPU v5 lite").flops_per_s == 197e12  # not v5p's
+    assert peak.table_peak("TPU v5p").flops_per_s == 459e12
+    assert peak.table_peak("NVIDIA H100 80GB HBM3", "bfloat16").flops_per_s == 989e12
+    assert peak.table_peak("NVIDIA H100 80GB HBM3").flops_per_s == 494e12  # TF32
+    assert peak.table_peak("some new chip") is None
+    monkeypatch.setenv("JAXKIT_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(peak, "measure_matmul_peak", lambda d: calls.append(d) or 1e10)
+    first = peak.cpu_peak(jax.devices()[:2])
+    again = peak.cpu_peak(jax.devices()[:2])
+    assert first.flops_per_s == again.flops_per_s == 1e10 and len(calls) == 1
+    assert (tmp_path / "cpu_peak.json").is_file()
+    peak.cpu_peak(jax.devices()[:4])  # another device count is another entry
+    assert len(calls) == 2
+
+
+def test_a_run_reports_flops_and_mfu_from_its_compiled_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(peak, "measure_matmul_peak", lambda d: 1e9)
+    config = _digits("train.steps=3", "train.log_every=1")
+    result = train(config, progress=False, echo=lambda *a: None)
+    expected = costs.step_cost(config, result.plan, jax.devices()).flops_per_step
+    for record in (r for r in result.records if "loss" in r):
+        assert record["flops_per_step"] == expected
+        assert record["flops_per_s"] == pytest.approx(expected / record["step_time_s"])
+        assert record["mfu"] == pytest.approx(record["flops_per_s"] / 1e9)
+    assert result.summary["peak_flops_per_s"] == 1e9
+    assert result.summary["memory_bytes"] > 0
