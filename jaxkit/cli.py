@@ -83,6 +83,39 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume even if the global batch changes (learning rate rescaled by the policy)",
     )
+    experiment = sub.add_parser(
+        "experiment",
+        help="measure a seed claim on a config: a Markdown report with tables and plots",
+    )
+    experiment.add_argument(
+        "name",
+        choices=("equivalence", "memory", "throughput", "batch-size", "noise-scale"),
+        help="equivalence: every split of the global batch trains the same model; memory: "
+        "compiled (and measured) memory against per-device batch and accumulation; "
+        "throughput: speed against the same; batch-size: several global batches on the same "
+        "examples; noise-scale: the critical batch size from the gradient noise scale",
+    )
+    _common(experiment)
+    experiment.add_argument("--out", metavar="DIR", help="default runs/experiment-NAME-CONFIG-TIME")
+    experiment.add_argument("--steps", type=int, metavar="N", help="optimizer steps per run")
+    experiment.add_argument(
+        "--splits", metavar="DxBxK,...", help="equivalence: e.g. 1x32x1,4x8x1,2x8x2,1x8x4"
+    )
+    experiment.add_argument(
+        "--global-batch-sizes", metavar="G,G,...", help="batch-size: e.g. 16,32,64,128"
+    )
+    experiment.add_argument(
+        "--lr-scaling", choices=("none", "linear", "sqrt"), help="batch-size: scaling rule"
+    )
+    experiment.add_argument(
+        "--max-per-device-batch",
+        type=int,
+        metavar="B",
+        help="memory, throughput: the largest per-device batch swept (powers of two up to B)",
+    )
+    experiment.add_argument(
+        "--rss-points", type=int, default=3, metavar="N", help="memory: measured points (CPU)"
+    )
     report = sub.add_parser(
         "report", help="plots and a Markdown summary of one or more run directories"
     )
@@ -152,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         apply_overrides(config, overrides)
         if opts.command == "plan":
             return _plan(config, opts)
+        if opts.command == "experiment":
+            return _experiment(config, opts)
         return _train(config, opts)
     except (
         ConfigError,
@@ -310,6 +345,36 @@ def _max_batch(config: ml_collections.ConfigDict, devices: list, budget: int, as
         f"{costs.format_bytes(result.cost.memory_bytes)} of {costs.format_bytes(budget)} "
         f"({result.compiles} compiles, {result.seconds:.1f} s, nothing executed)"
     )
+    return 0
+
+
+def _experiment(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
+    import pathlib
+
+    from jaxkit import experiments
+
+    out = opts.out
+    if out is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = os.path.join("runs", f"experiment-{opts.name}-{config.name}-{stamp}")
+    options = experiments.Options(
+        steps=opts.steps,
+        splits=opts.splits,
+        global_batch_sizes=opts.global_batch_sizes,
+        lr_scaling=opts.lr_scaling,
+        max_per_device_batch=opts.max_per_device_batch,
+        rss_points=opts.rss_points,
+    )
+    print(f"experiment {opts.name}: writing {pathlib.Path(out).resolve()}/report.md")
+    try:
+        path = experiments.run(opts.name, config, pathlib.Path(out), options)
+    except experiments.ExperimentError as err:
+        print(f"jaxkit: error: {err}", file=sys.stderr)
+        return 2
+    except experiments.Interrupted:
+        print(f"interrupted: partial report at {pathlib.Path(out).resolve()}/report.md")
+        return 130
+    print(f"report: {path.resolve()}")
     return 0
 
 

@@ -1,0 +1,225 @@
+"""`jaxkit experiment NAME CONFIG ...`: each seed claim as a command that measures and draws it.
+
+Every experiment writes OUT/report.md with Markdown tables and PNG plots beside it, and
+rewrites the report after each unit of work (a split, a batch size, ...), so Ctrl-C leaves
+a partial report that says how far it got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import pathlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import jax
+import ml_collections
+import numpy as np
+import tqdm
+from etils import epath
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from jaxkit.batch_plan import format_table
+from jaxkit.costs import split_config
+from jaxkit.loop import RunResult, train
+from jaxkit.workdir import write_text_atomic
+
+U = TypeVar("U")  # one unit of an experiment's work
+NAMES = ("equivalence", "memory", "throughput", "batch-size", "noise-scale")
+
+
+class ExperimentError(ValueError):
+    """An experiment that cannot run as asked."""
+
+
+class Interrupted(Exception):  # noqa: N818 — it is what happened, not a failure
+    """Ctrl-C (or SIGTERM) during an experiment: the report so far is written and marked."""
+
+
+@dataclasses.dataclass
+class Options:
+    """What the experiment commands take besides the config."""
+
+    steps: int | None = None  # optimizer steps per training unit (each has its default)
+    splits: str | None = None  # equivalence: "DxBxK,..." devices × per-device × accumulation
+    global_batch_sizes: str | None = None  # batch-size: "16,32,64"
+    lr_scaling: str | None = None  # batch-size: none | linear | sqrt
+    max_per_device_batch: int | None = None  # memory/throughput: the largest batch swept
+    rss_points: int = 3  # memory: measured resident-memory points (CPU, Linux)
+
+
+class Report:
+    """A Markdown report with PNG figures, rewritten whole after every unit of work."""
+
+    def __init__(self, out: pathlib.Path, title: str):
+        self.out, self.title = out, title
+        out.mkdir(parents=True, exist_ok=True)
+        self.blocks: list[str] = []
+        self.started = datetime.datetime.now().isoformat(timespec="seconds")
+
+    def text(self, markdown: str) -> None:
+        self.blocks.append(markdown.strip())
+
+    def table(self, header: Sequence[object], rows: Sequence[Sequence[object]]) -> None:
+        self.blocks.append(markdown_table(header, rows))
+
+    def figure(self, fig: Figure, name: str, caption: str) -> None:
+        fig.savefig(self.out / name, dpi=110, bbox_inches="tight")
+        self.blocks.append(f"![{caption}]({name})\n\n*{caption}*")
+
+    def write(self, status: str | None = None) -> pathlib.Path:
+        """Writes report.md; `status` (e.g. partial) goes at the top in bold."""
+        head = [f"# {self.title}", f"Started {self.started}."]
+        if status:
+            head.append(f"**{status}**")
+        path = self.out / "report.md"
+        write_text_atomic(epath.Path(path), "\n\n".join(head + self.blocks) + "\n")
+        return path
+
+
+def drive(
+    report: Report,
+    units: Sequence[U],
+    do_unit: Callable[[U], None],
+    render: Callable[[Report], None],
+    what: str,
+) -> pathlib.Path:
+    """Does each unit, re-rendering and rewriting the report after each one.
+
+    Ctrl-C (KeyboardInterrupt, or the loop's own SIGINT stop) writes what is done so far,
+    marked partial, and raises Interrupted.
+    """
+    done = 0
+    bar = tqdm.tqdm(total=len(units), unit=what, file=sys.stderr, dynamic_ncols=True)
+    try:
+        for unit in units:
+            bar.set_postfix_str(str(unit))
+            do_unit(unit)
+            done += 1
+            bar.update(1)
+            report.blocks = []
+            render(report)
+            if done < len(units):
+                report.write(f"Partial report: {done} of {len(units)} {what} done, still running.")
+    except (KeyboardInterrupt, Interrupted):
+        report.blocks = []
+        render(report)
+        report.write(
+            f"Partial report: interrupted after {done} of {len(units)} {what}; "
+            "the figures below cover only those."
+        )
+        raise Interrupted from None
+    finally:
+        bar.close()
+    return report.write()
+
+
+def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(str(h) for h in header) + " |"]
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def console_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
+    return format_table(header, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """devices × per_device_batch_size × grad_accum_steps, as the seeds write it."""
+
+    devices: int
+    per_device: int
+    accum: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.devices}×{self.per_device}×{self.accum}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_splits(text: str) -> list[Split]:
+    splits = []
+    for part in text.split(","):
+        try:
+            d, b, k = (int(x) for x in part.lower().replace("×", "x").split("x"))
+        except ValueError:
+            raise ExperimentError(
+                f"--splits: {part!r} is not DEVICESxPER_DEVICExACCUM (e.g. 4x8x1)"
+            ) from None
+        splits.append(Split(d, b, k))
+    return splits
+
+
+def train_unit(
+    config: ml_collections.ConfigDict,
+    devices: Sequence[jax.Device],
+    steps: int,
+    echo: Callable[[str], None] = lambda line: None,
+) -> RunResult:
+    """Trains `config` for `steps` optimizer steps on `devices`, logging every step.
+
+    Evaluates once at the end on a single held-out micro-batch (the experiments compare
+    training curves; the eval only keeps the loop's end-of-run contract cheap).
+    """
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.train.steps, c.train.log_every = steps, 1
+    c.train.eval_every, c.train.eval_batches = 0, 1
+    c.train.profile_steps = ""
+    result = train(c, None, devices=devices, progress=False, echo=echo)
+    if result.stopped:
+        raise Interrupted
+    return result
+
+
+def train_split(
+    config: ml_collections.ConfigDict,
+    split: Split,
+    devices: Sequence[jax.Device],
+    steps: int,
+) -> RunResult:
+    if split.devices > len(devices):
+        raise ExperimentError(
+            f"split {split.name} needs {split.devices} devices; {len(devices)} are available "
+            "(--host-devices N simulates more on the CPU)"
+        )
+    c = split_config(config, split.per_device, split.accum)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1  # the seeds' splits: data parallel
+    return train_unit(c, devices[: split.devices], steps)
+
+
+def losses(result: RunResult) -> np.ndarray:
+    return np.array([r["loss"] for r in result.records if "loss" in r])
+
+
+def new_figure() -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(7, 4.2))
+    return fig, fig.subplots()
+
+
+def run(
+    name: str,
+    config: ml_collections.ConfigDict,
+    out: pathlib.Path,
+    options: Options,
+    echo: Callable[[str], None] = print,
+) -> pathlib.Path:
+    """Runs experiment `name`, writing OUT/report.md; Interrupted leaves a partial report."""
+    from jaxkit.experiments import batch_size, equivalence, memory, noise, throughput
+
+    runners = {
+        "equivalence": equivalence.run,
+        "memory": memory.run,
+        "throughput": throughput.run,
+        "batch-size": batch_size.run,
+        "noise-scale": noise.run,
+    }
+    if name not in runners:
+        raise ExperimentError(f"no experiment {name!r}; choose one of {', '.join(NAMES)}")
+    return runners[name](config, out, options, echo)

@@ -1,0 +1,139 @@
+"""Larger global batches mean fewer updates: the same examples at several global batches.
+
+Each global batch B trains on the same number of examples (the config's global batch ×
+--steps), so it makes proportionally fewer optimizer steps, with its learning rate scaled
+from the config's by the chosen rule (linear: × B/B₀, sqrt: × √(B/B₀), none). Warmup keeps
+the same fraction of each run. Plotted against examples seen and against optimizer steps.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxkit import mesh as mesh_lib
+from jaxkit.batch_plan import LR_SCALINGS, BatchPlanError, plan_from_config
+from jaxkit.experiments import ExperimentError, Options, Report, drive, new_figure, train_unit
+
+DEFAULT_STEPS = 40
+
+
+def _sizes(text: str | None, base: int) -> list[int]:
+    if text is None:
+        return [base // 2, base, base * 2, base * 4] if base % 2 == 0 else [base, base * 2]
+    try:
+        sizes = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise ExperimentError(
+            f"--global-batch-sizes={text!r} is not a list like 16,32,64"
+        ) from None
+    if min(sizes) <= 0:
+        raise ExperimentError("--global-batch-sizes must be positive")
+    return sizes
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    out: pathlib.Path,
+    options: Options,
+    echo: Callable[[str], None],
+) -> pathlib.Path:
+    devices = jax.devices()
+    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    base = plan_from_config(config, shape)
+    rule = options.lr_scaling or config.optimizer.lr_scaling
+    if rule not in LR_SCALINGS:
+        raise ExperimentError(f"--lr-scaling={rule!r} is not one of {', '.join(LR_SCALINGS)}")
+    steps = options.steps or DEFAULT_STEPS
+    budget = steps * base.global_batch_size  # examples every run sees
+    runs: dict[int, dict[str, Any]] = {}
+    skipped: list[str] = []
+    units: list[tuple[int, int, ml_collections.ConfigDict]] = []
+    for g in _sizes(options.global_batch_sizes, base.global_batch_size):
+        c = ml_collections.ConfigDict(config.to_dict())
+        c.batch.global_batch_size, c.batch.grad_accum_steps = g, None
+        c.optimizer.lr_scaling = rule
+        c.optimizer.reference_batch_size = base.global_batch_size
+        c.optimizer.learning_rate = base.learning_rate  # the config's peak, at its own batch
+        try:
+            plan_from_config(c, shape)
+        except BatchPlanError:  # the per-device batch does not divide it: no accumulation
+            c.batch.per_device_batch_size, c.batch.grad_accum_steps = None, 1
+            try:
+                plan_from_config(c, shape)
+            except BatchPlanError as err:
+                skipped.append(f"{g}: {err}")
+                continue
+        run_steps = max(budget // g, 1)
+        c.optimizer.warmup_steps = round(config.optimizer.warmup_steps * run_steps / steps)
+        units.append((g, run_steps, c))
+    if not units:
+        raise ExperimentError("no global batch size fits the mesh:\n" + "\n".join(skipped))
+
+    def do_unit(unit: tuple[int, int, ml_collections.ConfigDict]) -> None:
+        g, run_steps, c = unit
+        result = train_unit(c, devices, run_steps)
+        records = [r for r in result.records if "loss" in r]
+        runs[g] = {
+            "plan": result.plan,
+            "steps": np.array([r["step"] for r in records]),
+            "examples": np.array([r["examples_seen"] for r in records]),
+            "loss": np.array([r["loss"] for r in records]),
+        }
+
+    def render(report: Report) -> None:
+        report.text(
+            f"Config `{config.get('name')}` on {len(devices)} {devices[0].platform} devices. "
+            f"Every run sees {budget:,} examples (= {steps} steps × the config's global batch "
+            f"{base.global_batch_size}); learning rate scaled from "
+            f"{base.learning_rate:g} at {base.global_batch_size} by the `{rule}` rule."
+        )
+        if skipped:
+            report.text("Left out (no exact plan on this mesh): " + "; ".join(skipped))
+        if not runs:
+            return
+        rows = []
+        for g, r in sorted(runs.items()):
+            p = r["plan"]
+            tail = r["loss"][-max(1, len(r["loss"]) // 10) :]
+            rows.append(
+                (
+                    g,
+                    f"{p.data_parallel_size}×{p.per_device_batch_size}×{p.grad_accum_steps}",
+                    len(r["loss"]),
+                    f"{p.learning_rate:.4g}",
+                    f"{float(np.mean(tail)):.4f}",
+                )
+            )
+        report.table(
+            (
+                "global_batch_size",
+                "split",
+                "optimizer steps",
+                "peak learning rate",
+                "final loss (mean of last 10% of steps)",
+            ),
+            rows,
+        )
+        for x, label, name in (
+            ("examples", "examples seen", "loss_vs_examples.png"),
+            ("steps", "optimizer steps", "loss_vs_steps.png"),
+        ):
+            fig, ax = new_figure()
+            for g, r in sorted(runs.items()):
+                ax.plot(r[x], r["loss"], label=f"global batch {g}")
+            ax.set_xlabel(label)
+            ax.set_ylabel("training loss")
+            if x == "steps":
+                ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            report.figure(fig, name, f"Loss against {label}")
+
+    report = Report(out, "Batch size: the same examples at several global batches")
+    return drive(report, units, do_unit, render, "batch sizes")

@@ -1,0 +1,201 @@
+"""Memory depends on the micro-batch, not on accumulation: compiled, and measured on CPU.
+
+Three views of one claim: the compiled per-device memory as the per-device batch grows
+(K = 1), the same as accumulation grows at a fixed per-device batch (MultiSteps and fused),
+and where the state's bytes go (params, optimizer moments, and MultiSteps' accumulator: one
+params-sized buffer). On CPU under Linux a few points are also measured as resident-memory
+growth in a fresh process, next to the estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from collections.abc import Callable
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxkit import costs, rss
+from jaxkit import mesh as mesh_lib
+from jaxkit.batch_plan import plan_from_config
+from jaxkit.checkpoint import abstract_state
+from jaxkit.experiments import Options, Report, drive, new_figure
+from jaxkit.train_step import build
+
+ACCUM_SWEEP = (1, 2, 4, 8)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+def _shard_bytes(tree: object) -> int:
+    return sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def state_breakdown(config: ml_collections.ConfigDict, devices: list) -> list[tuple[str, int]]:
+    """Per-device bytes of each part of the train state, from its shardings."""
+    mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
+    setup = build(config, plan_from_config(config, mesh_lib.mesh_shape(mesh)), mesh)
+    state = abstract_state(setup)
+    return [
+        ("params", _shard_bytes(state.params)),
+        (
+            "optimizer state (inner: moments, counters)",
+            _shard_bytes(state.opt_state.inner_opt_state),
+        ),
+        ("MultiSteps accumulator (acc_grads)", _shard_bytes(state.opt_state.acc_grads)),
+    ]
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    out: pathlib.Path,
+    options: Options,
+    echo: Callable[[str], None],
+) -> pathlib.Path:
+    devices = jax.devices()
+    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    base = plan_from_config(config, shape)
+    top = options.max_per_device_batch or 4 * base.per_device_batch_size
+    batches = _powers_of_two(top)
+    b0 = base.per_device_batch_size
+    units: list[tuple[str, int]] = [("batch", b) for b in batches]
+    units += [(mode, k) for mode in ("multisteps", "fused") for k in ACCUM_SWEEP]
+    measure = supported_rss(devices)
+    rss_batches = _spread(batches, options.rss_points) if measure else []
+    units += [("rss", b) for b in rss_batches]
+    by_batch: dict[int, costs.StepCost] = {}
+    by_accum: dict[tuple[str, int], costs.StepCost] = {}
+    measured: dict[int, dict] = {}
+    breakdown = state_breakdown(config, devices)
+
+    def do_unit(unit: tuple[str, int]) -> None:
+        kind, n = unit
+        if kind == "batch":
+            c = costs.split_config(config, n, 1)
+            by_batch[n] = costs.step_cost(c, plan_from_config(c, shape), devices)
+        elif kind == "rss":
+            measured[n] = rss.measure_in_subprocess(config.to_dict(), n, devices=1)
+        else:
+            c = costs.split_config(config, b0, n)
+            c.train.accumulation = kind
+            by_accum[(kind, n)] = costs.step_cost(c, plan_from_config(c, shape), devices)
+
+    def render(report: Report) -> None:
+        mib = 2**20
+        report.text(
+            f"Config `{config.get('name')}` on {len(devices)} {devices[0].platform} devices "
+            f"(mesh {shape}). Compiled per-device memory = argument + output − alias + temp "
+            "bytes of the train step (`memory_analysis()`; nothing executed)."
+        )
+        report.text("## Where the state's bytes go (per device)")
+        report.table(("part", "bytes/device"), [(p, costs.format_bytes(b)) for p, b in breakdown])
+        if by_batch:
+            report.text("## Against the per-device batch (grad_accum_steps = 1)")
+            rows: list[tuple[object, ...]] = [
+                (
+                    b,
+                    costs.format_bytes(c.memory_bytes),
+                    costs.format_bytes(c.argument_bytes),
+                    costs.format_bytes(c.temp_bytes),
+                )
+                for b, c in sorted(by_batch.items())
+            ]
+            report.table(("per_device_batch_size", "memory", "arguments", "temp"), rows)
+            fig, ax = new_figure()
+            xs = sorted(by_batch)
+            ax.plot(
+                xs,
+                [by_batch[b].memory_bytes / mib for b in xs],
+                "o-",
+                label=f"compiled, {len(devices)} devices",
+            )
+            if measured:  # measured on one device: against that device count's estimate
+                mx = sorted(measured)
+                for key, marker, label in (
+                    ("estimate_bytes", "x", "compiled, 1 device"),
+                    ("measured_bytes", "s", "measured RSS growth, 1 CPU device"),
+                ):
+                    ax.plot(mx, [measured[b][key] / mib for b in mx], marker, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("per-device batch size")
+            ax.set_ylabel("MiB per device")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            report.figure(fig, "memory_vs_batch.png", "Memory grows with the per-device batch")
+        if by_accum:
+            report.text(f"## Against accumulation steps (per_device_batch_size = {b0})")
+            ks = sorted({k for _, k in by_accum})
+            rows = [
+                (
+                    k,
+                    *(
+                        costs.format_bytes(by_accum[(m, k)].memory_bytes)
+                        if (m, k) in by_accum
+                        else "-"
+                        for m in ("multisteps", "fused")
+                    ),
+                )
+                for k in ks
+            ]
+            report.table(("grad_accum_steps", "multisteps memory", "fused memory"), rows)
+            fig, ax = new_figure()
+            for mode, marker in (("multisteps", "o-"), ("fused", "s--")):
+                pts = sorted(
+                    (k, c.memory_bytes / mib) for (m, k), c in by_accum.items() if m == mode
+                )
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker, label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("grad_accum_steps")
+            ax.set_ylabel("MiB per device")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend()
+            report.figure(fig, "memory_vs_accum.png", "Accumulation steps barely move memory")
+            report.text(
+                "MultiSteps runs one micro-batch per call, so its program, and its memory, "
+                "do not depend on K; the accumulator it carries is the params-sized buffer in "
+                "the table above. Fused takes the whole (K, micro-batch) batch in one call, "
+                "so its input grows with K (a few bytes per token)."
+            )
+        if measured:
+            report.text("## Estimate against measured resident memory (CPU, one device)")
+            rows = []
+            for b, m in sorted(measured.items()):
+                err = m["measured_bytes"] / m["estimate_bytes"] - 1
+                rows.append(
+                    (
+                        b,
+                        costs.format_bytes(m["estimate_bytes"]),
+                        costs.format_bytes(m["measured_bytes"]),
+                        f"{err:+.1%}",
+                    )
+                )
+            report.table(
+                ("per_device_batch_size", "compiled estimate", "measured RSS growth", "error"),
+                rows,
+            )
+        elif not measure:
+            report.text("Resident memory is measured only on CPU under Linux; not here.")
+
+    report = Report(out, "Memory: what the micro-batch costs")
+    return drive(report, units, do_unit, render, "compiles/measurements")
+
+
+def supported_rss(devices: list) -> bool:
+    return devices[0].platform == "cpu" and rss.supported()
+
+
+def _spread(values: list[int], count: int) -> list[int]:
+    """Up to `count` values spread over `values`, its largest included."""
+    if count <= 0:
+        return []
+    picks = np.linspace(0, len(values) - 1, min(count, len(values))).round().astype(int)
+    return sorted({values[i] for i in picks})

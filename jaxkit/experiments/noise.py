@@ -1,0 +1,112 @@
+"""The critical batch size, from the gradient noise scale measured while training.
+
+Trains the config as it is and reads the B_simple estimate every run logs (see
+jaxkit/noise_scale.py): |G|² and tr Σ from the small-batch and the accumulated gradient,
+smoothed. B_simple is the batch at which gradient noise equals signal; well below it a
+bigger batch cuts the steps needed almost in proportion, well above it it mostly wastes
+examples (McCandlish et al. 2018).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from jaxkit import mesh as mesh_lib
+from jaxkit.batch_plan import plan_from_config
+from jaxkit.experiments import ExperimentError, Options, Report, drive, new_figure, train_unit
+
+DEFAULT_STEPS = 100
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    out: pathlib.Path,
+    options: Options,
+    echo: Callable[[str], None],
+) -> pathlib.Path:
+    devices = jax.devices()
+    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    plan = plan_from_config(config, shape)
+    fused = config.train.accumulation == "fused"
+    small = plan.per_device_batch_size if fused else plan.micro_batch_size
+    if small >= plan.global_batch_size:
+        raise ExperimentError(
+            f"the noise scale needs two batch sizes, but the small one ({small} rows: "
+            f"{'one device' if fused else 'one micro-batch'}) is the whole global batch "
+            f"({plan.global_batch_size}). Use grad_accum_steps ≥ 2 (e.g. "
+            f"batch.per_device_batch_size={max(plan.per_device_batch_size // 2, 1)}), or "
+            "train.accumulation=fused on several devices"
+        )
+    steps = options.steps or DEFAULT_STEPS
+    found: dict[str, Any] = {}
+
+    def do_unit(unit: str) -> None:
+        result = train_unit(config, devices, steps)
+        found["records"] = [r for r in result.records if "loss" in r]
+        found["summary"] = result.summary
+
+    def render(report: Report) -> None:
+        tokens = plan.seq_len
+        report.text(
+            f"Config `{config.get('name')}`, plan {plan.data_parallel_size}×"
+            f"{plan.per_device_batch_size}×{plan.grad_accum_steps} = global batch "
+            f"{plan.global_batch_size}, {steps} optimizer steps. Small batch: {small} rows "
+            f"({'one device’s share of a micro-batch' if fused else 'one micro-batch'}); "
+            f"big batch: the {plan.global_batch_size}-row accumulated gradient. Estimates "
+            f"smoothed with decay {config.train.noise_scale_decay}."
+        )
+        if "records" not in found:
+            return
+        records: list[dict] = found["records"]
+        pts = [(r["step"], r["noise_scale"]) for r in records if "noise_scale" in r]
+        summary: dict = found["summary"]
+        b_simple = summary.get("noise_scale")
+        if b_simple is None:
+            report.text(
+                "The smoothed |G|² estimate is not positive yet: the gradient is still "
+                "within its own noise. Train longer (--steps) for a critical batch size."
+            )
+        else:
+            ratio = plan.global_batch_size / b_simple
+            verdict = (
+                "below it: a larger global batch would still cut the optimizer steps "
+                "nearly in proportion"
+                if ratio < 0.5
+                else "near it: larger batches buy less and less"
+                if ratio < 2
+                else "above it: much of each batch is spent beyond the point of diminishing "
+                "returns; a smaller global batch would use examples better"
+            )
+            rows = [
+                ("critical batch size ≈ B_simple (rows)", f"{b_simple:,.1f}"),
+                ("configured global batch (rows)", plan.global_batch_size),
+                ("global batch / B_simple", f"{ratio:.2f}"),
+                ("‖G‖² estimate", f"{summary['grad_sq_estimate']:.4g}"),
+                ("tr Σ estimate (per row)", f"{summary['grad_var_estimate']:.4g}"),
+            ]
+            if tokens:
+                rows.insert(1, ("critical batch size (tokens)", f"{b_simple * tokens:,.0f}"))
+            report.table(("quantity", "value"), rows)
+            report.text(f"The configured global batch is {verdict}.")
+        if pts:
+            fig, ax = new_figure()
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, label="B_simple (smoothed)")
+            ax.axhline(plan.global_batch_size, color="gray", ls="--", label="global batch")
+            ax.set_yscale("log")
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel("rows")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            report.figure(fig, "noise_scale.png", "Gradient noise scale during training")
+            losses = np.array([r["loss"] for r in records])
+            report.text(f"Training loss went from {losses[0]:.4f} to {losses[-1]:.4f}.")
+
+    report = Report(out, "Noise scale: the critical batch size")
+    return drive(report, ["training"], do_unit, render, "run")

@@ -1,0 +1,143 @@
+"""Each experiment end to end on the digits MLP: its report's tables say what they should."""
+
+import re
+
+import pytest
+
+from jaxkit import experiments
+from jaxkit.config import apply_overrides, load_config
+from jaxkit.experiments import equivalence
+
+
+def _digits(*overrides):
+    config = load_config("mlp_digits")
+    apply_overrides(config, list(overrides))
+    return config
+
+
+def _rows(report: str, first_header: str) -> list[list[str]]:
+    """The body rows of the Markdown table whose header starts with `first_header`."""
+    lines = report.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_equivalence_overlays_the_seed_splits_and_finds_them_equal(tmp_path):
+    path = experiments.run(
+        "equivalence", _digits(), tmp_path, experiments.Options(steps=3), echo=lambda s: None
+    )
+    report = path.read_text()
+    rows = _rows(report, "split")
+    assert [r[0] for r in rows] == ["1×32×1", "4×8×1", "2×8×2", "1×8×4"]
+    # The kit's equivalence tolerance (tests/test_equivalence.py): 2e-6 relative loss.
+    assert all(float(r[3]) < 2e-6 for r in rows)
+    assert all(r[6].endswith("KiB") for r in rows)  # compiled memory per device
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0
+    assert "Partial" not in report
+
+
+def test_ctrl_c_leaves_a_partial_report_that_says_so(tmp_path, monkeypatch):
+    calls = []
+    real = equivalence.train_split
+
+    def train_then_interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(equivalence, "train_split", train_then_interrupt)
+    with pytest.raises(experiments.Interrupted):
+        experiments.run("equivalence", _digits(), tmp_path, experiments.Options(steps=2))
+    report = (tmp_path / "report.md").read_text()
+    assert "interrupted after 1 of 4 splits" in report
+    assert [r[0] for r in _rows(report, "split")] == ["1×32×1"]
+
+
+def test_memory_is_flat_in_accumulation_and_grows_with_the_batch(tmp_path):
+    options = experiments.Options(max_per_device_batch=8, rss_points=1)
+    report = experiments.run("memory", _digits(), tmp_path, options).read_text()
+    parts = dict((r[0], r[1]) for r in _rows(report, "part"))
+    assert parts["MultiSteps accumulator (acc_grads)"] == parts["params"]
+    by_batch = _rows(report, "per_device_batch_size")
+    assert [r[0] for r in by_batch] == ["1", "2", "4", "8"]
+    sizes = [_kib(r[1]) for r in by_batch]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    by_accum = _rows(report, "grad_accum_steps")
+    assert [r[0] for r in by_accum] == ["1", "2", "4", "8"]
+    assert len({r[1] for r in by_accum}) == 1  # MultiSteps: the same program for every K
+    measured = _rows(report, "per_device_batch_size | compiled estimate")
+    assert len(measured) == 1 and _kib(measured[0][2]) > 0
+    for name in ("memory_vs_batch.png", "memory_vs_accum.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def _kib(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * {"B": 1 / 1024, "KiB": 1, "MiB": 1024, "GiB": 1024**2}[unit]
+
+
+def test_throughput_sweeps_batch_and_accumulation(tmp_path):
+    options = experiments.Options(steps=2, max_per_device_batch=2)
+    report = experiments.run("throughput", _digits(), tmp_path, options).read_text()
+    rows = _rows(report, "per_device_batch_size")
+    got = [(int(r[0]), int(r[1]), int(r[2])) for r in rows]
+    # b = 1, 2 at K = 1, then K = 2, 4, 8 at the configured b = 4; G = 8 devices × b × K.
+    assert got == [(1, 1, 8), (2, 1, 16), (4, 2, 64), (4, 4, 128), (4, 8, 256)]
+    assert all(float(r[4].replace(",", "")) > 0 and r[6].endswith("%") for r in rows)
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_batch_size_runs_see_the_same_examples_with_scaled_rates(tmp_path):
+    options = experiments.Options(steps=4, global_batch_sizes="16,32,64", lr_scaling="sqrt")
+    report = experiments.run("batch-size", _digits(), tmp_path, options).read_text()
+    rows = _rows(report, "global_batch_size")
+    assert [(int(r[0]), int(r[2])) for r in rows] == [(16, 8), (32, 4), (64, 2)]
+    rates = [float(r[3]) for r in rows]
+    assert rates[1] == pytest.approx(3e-3)  # the config's rate at its own batch of 32
+    assert rates[0] == pytest.approx(3e-3 * (16 / 32) ** 0.5, rel=1e-3)
+    assert rates[2] == pytest.approx(3e-3 * (64 / 32) ** 0.5, rel=1e-3)
+    assert (tmp_path / "loss_vs_examples.png").is_file()
+    assert (tmp_path / "loss_vs_steps.png").is_file()
+
+
+def test_noise_scale_reports_a_critical_batch(tmp_path):
+    config = _digits("batch.per_device_batch_size=1")  # 8 × 1 × 4: micro-batches of 8
+    report = experiments.run(
+        "noise-scale", config, tmp_path, experiments.Options(steps=30)
+    ).read_text()
+    table = dict((r[0], r[1]) for r in _rows(report, "quantity"))
+    b_simple = float(table["critical batch size ≈ B_simple (rows)"].replace(",", ""))
+    assert b_simple > 0
+    assert float(table["global batch / B_simple"]) == pytest.approx(32 / b_simple, rel=0.01)
+    assert re.search(r"The configured global batch is (below|near|above) it", report)
+
+    with pytest.raises(experiments.ExperimentError, match="two batch sizes"):
+        experiments.run("noise-scale", _digits(), tmp_path / "k1", experiments.Options(steps=2))
+
+
+def test_the_cli_writes_the_report_and_exits_2_on_a_bad_request(tmp_path):
+    from test_cli import jaxkit
+
+    out = jaxkit(
+        "experiment",
+        "noise-scale",
+        "mlp_digits",
+        "batch.per_device_batch_size=1",
+        "--steps",
+        "3",
+        "--out",
+        str(tmp_path / "ns"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "ns" / "report.md").is_file()
+    assert f"report: {tmp_path / 'ns' / 'report.md'}" in out.stdout
+    out = jaxkit("experiment", "equivalence", "mlp_digits", "--splits", "4x8", "--out", "x")
+    assert out.returncode == 2 and "DEVICESxPER_DEVICExACCUM" in out.stderr
+    out = jaxkit("experiment", "equivalence", "mlp_digits", "--splits", "4x4x1", "--out", "x")
+    assert out.returncode == 2 and "not the config's 32" in out.stderr
