@@ -116,7 +116,7 @@ class Setup:
     schedule: optax.Schedule
     state_shardings: TrainState
     batch_sharding: jax.sharding.NamedSharding  # a micro-batch: rows over the batch axes
-    init: Callable[[jax.Array], TrainState]  # key -> state, born sharded
+    init: jax.stages.Wrapped  # jitted key -> state, born sharded
     # "multisteps": step takes one micro-batch per call. "fused": one (K, rows, ...) batch
     # per call, sharded as fused_batch_sharding, and makes a whole optimizer step.
     accumulation: str
