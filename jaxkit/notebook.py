@@ -1,0 +1,109 @@
+"""Notebook set-up: which runtime this is, JAX started to suit it, and the devices to use.
+
+The notebooks in `notebooks/` run unchanged on a Colab TPU runtime with real chips and on a
+CPU with simulated devices. The simulated device count must be set before JAX starts its
+backend, so the runtime is recognised without starting it, from what an accelerator leaves
+in the environment and in /dev. Only the standard library is imported at load time: a fresh
+runtime uses this module to choose what to install before jaxkit's dependencies are there.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
+
+HOST_DEVICES = 8  # the notebooks' meshes go up to 8 devices
+# Variables a TPU host sets: GKE and Cloud TPU VMs (TPU_*), Colab's older TPU runtime.
+TPU_ENV = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "COLAB_TPU_ADDR")
+# What JAX needs besides jaxkit's own requirements to use each runtime's accelerator.
+JAX_EXTRA = {"tpu": "jax[tpu]", "gpu": "jax[cuda12]", "cpu": None}
+
+
+def detect_runtime(environ: Mapping[str, str] = os.environ, dev: str | os.PathLike = "/dev") -> str:
+    """'tpu', 'gpu' or 'cpu', without starting JAX.
+
+    TPU chips appear as /dev/accel* (v2 to v4) or as numbered VFIO groups (v5e and later);
+    an NVIDIA GPU as /dev/nvidia0, 1, ... (nvidia-smi alone proves nothing: CPU images
+    ship it). JAX_PLATFORMS=cpu in the environment means CPU whatever is present.
+    """
+    dev = pathlib.Path(dev)
+    if environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":  # asked for explicitly
+        return "cpu"
+    if any(environ.get(name) for name in TPU_ENV):
+        return "tpu"
+    if any(dev.glob("accel[0-9]*")) or any(p.name.isdigit() for p in dev.glob("vfio/*")):
+        return "tpu"
+    if any(p.name[len("nvidia") :].isdigit() for p in dev.glob("nvidia[0-9]*")):
+        return "gpu"
+    return "cpu"
+
+
+def install_command(source: str, runtime: str) -> list[str]:
+    """The pip command that installs the jaxkit checkout at `source` for `runtime`."""
+    extra = JAX_EXTRA[runtime]
+    return [sys.executable, "-m", "pip", "install", "-q", "-e", source, *([extra] if extra else [])]
+
+
+def start_jax(host_devices: int = HOST_DEVICES) -> str:
+    """Configures JAX for this runtime before its backend starts; returns the runtime.
+
+    On a CPU runtime JAX is kept to the CPU and offers `host_devices` simulated devices. On
+    an accelerator the CPU backend offers them too, as the fallback `devices()` uses when
+    the runtime has fewer chips than a notebook's meshes need; and float32 matmuls run in
+    full float32 (TPUs default to bfloat16 passes, recent GPUs to TF32), as the notebooks
+    compare runs at float32 round-off.
+    """
+    import jax
+
+    runtime = detect_runtime()
+    try:
+        if runtime == "cpu":
+            jax.config.update("jax_platforms", "cpu")  # no probing for absent plugins
+        else:
+            jax.config.update("jax_default_matmul_precision", "highest")
+        jax.config.update("jax_num_cpu_devices", host_devices)
+    except RuntimeError as err:  # the backend already started: a cell run a second time
+        if len(jax.devices("cpu")) != host_devices:
+            raise RuntimeError(
+                f"JAX started before it was asked for {host_devices} CPU devices; restart the "
+                "runtime and run the notebook from its first cell"
+            ) from err
+    return runtime
+
+
+def devices(count: int = HOST_DEVICES) -> list[jax.Device]:
+    """`count` devices: the runtime's accelerators when it has that many, else simulated
+    CPU devices (many Colab runtimes have a single TPU chip or GPU)."""
+    import jax
+
+    found: Sequence[jax.Device] = jax.devices()
+    if len(found) < count:
+        found = jax.devices("cpu")
+    if len(found) < count:
+        raise RuntimeError(
+            f"{len(found)} devices, {count} needed: call jaxkit.notebook.start_jax({count}) "
+            "before anything else touches JAX"
+        )
+    return list(found[:count])
+
+
+def describe(chosen: Sequence[jax.Device]) -> str:
+    """One line on the devices a notebook runs on, and why those."""
+    import jax
+
+    if chosen[0].platform != "cpu":
+        return f"{len(chosen)} {chosen[0].device_kind} devices"
+    line = f"{len(chosen)} simulated CPU devices on {os.cpu_count()} CPU cores"
+    available = jax.devices()
+    if available[0].platform != "cpu":
+        line += (
+            f": this runtime has {len(available)} {available[0].device_kind} device(s), "
+            f"fewer than the {len(chosen)} the notebooks' meshes need"
+        )
+    return line
