@@ -14,7 +14,13 @@ import pathlib
 import ml_collections
 from ml_collections import config_dict
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+# A checkout's configs/, or the copy a wheel installs as jaxkit/configs.
+_CHECKOUT_CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = (
+    _CHECKOUT_CONFIGS
+    if (_CHECKOUT_CONFIGS / "lm_tiny.py").is_file()
+    else pathlib.Path(__file__).resolve().parent / "configs"
+)
 DEFAULT_CONFIG = "lm_tiny"
 NULL_WORDS = ("null", "none", "None")
 

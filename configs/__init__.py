@@ -1,0 +1,1 @@
+"""Config files: each defines get_config(); `jaxkit train NAME` loads NAME.py from here."""
