@@ -29,6 +29,11 @@ TRAIN_TAGS = {
     "examples_per_s": "throughput/examples_per_s",
     "tokens_per_s": "throughput/tokens_per_s",
     "step_time_s": "throughput/step_time_s",
+    "flops_per_s": "throughput/flops_per_s",
+    "mfu": "throughput/mfu",
+    "noise_scale": "noise_scale/b_simple",
+    "grad_sq_estimate": "noise_scale/grad_sq",
+    "grad_var_estimate": "noise_scale/grad_var",
 }
 EVAL_TAGS = {"eval_loss": "eval/loss", "eval_accuracy": "eval/accuracy"}
 
