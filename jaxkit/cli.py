@@ -348,15 +348,17 @@ def _max_batch(config: ml_collections.ConfigDict, devices: list, budget: int, as
     return 0
 
 
+def _default_dir(name: str) -> str:
+    """runs/NAME-TIMESTAMP, where a run or an experiment writes unless told otherwise."""
+    return os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+
+
 def _experiment(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
     import pathlib
 
     from jaxkit import experiments
 
-    out = opts.out
-    if out is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = os.path.join("runs", f"experiment-{opts.name}-{config.name}-{stamp}")
+    out = opts.out or _default_dir(f"experiment-{opts.name}-{config.name}")
     options = experiments.Options(
         steps=opts.steps,
         splits=opts.splits,
@@ -383,10 +385,7 @@ def _train(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
     from jaxkit.records import NonFiniteLossError
     from jaxkit.workdir import absolute
 
-    workdir = opts.workdir
-    if workdir is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        workdir = os.path.join("runs", f"{config.name}-{stamp}")
+    workdir = opts.workdir or _default_dir(config.name)
     print(f"workdir: {absolute(workdir)}")  # a gs:// URL as given
     try:
         train(

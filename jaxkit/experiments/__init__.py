@@ -22,6 +22,7 @@ from etils import epath
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import format_table
 from jaxkit.costs import split_config
 from jaxkit.loop import RunResult, train
@@ -192,6 +193,12 @@ def train_split(
     c = split_config(config, split.per_device, split.accum)
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1  # the seeds' splits: data parallel
     return train_unit(c, devices[: split.devices], steps)
+
+
+def live_mesh(config: ml_collections.ConfigDict) -> tuple[list[jax.Device], dict[str, int]]:
+    """All devices, and the config's mesh shape on them."""
+    devices = jax.devices()
+    return devices, mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
 
 
 def losses(result: RunResult) -> np.ndarray:

@@ -12,13 +12,19 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import ml_collections
 import numpy as np
 
-from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import LR_SCALINGS, BatchPlanError, plan_from_config
-from jaxkit.experiments import ExperimentError, Options, Report, drive, new_figure, train_unit
+from jaxkit.experiments import (
+    ExperimentError,
+    Options,
+    Report,
+    drive,
+    live_mesh,
+    new_figure,
+    train_unit,
+)
 
 DEFAULT_STEPS = 40
 
@@ -43,8 +49,7 @@ def run(
     options: Options,
     echo: Callable[[str], None],
 ) -> pathlib.Path:
-    devices = jax.devices()
-    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    devices, shape = live_mesh(config)
     base = plan_from_config(config, shape)
     rule = options.lr_scaling or config.optimizer.lr_scaling
     if rule not in LR_SCALINGS:

@@ -21,7 +21,7 @@ from jaxkit import costs, rss
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.checkpoint import abstract_state
-from jaxkit.experiments import Options, Report, drive, new_figure
+from jaxkit.experiments import Options, Report, drive, live_mesh, new_figure
 from jaxkit.train_step import build
 
 ACCUM_SWEEP = (1, 2, 4, 8)
@@ -59,8 +59,7 @@ def run(
     options: Options,
     echo: Callable[[str], None],
 ) -> pathlib.Path:
-    devices = jax.devices()
-    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    devices, shape = live_mesh(config)
     base = plan_from_config(config, shape)
     top = options.max_per_device_batch or 4 * base.per_device_batch_size
     batches = _powers_of_two(top)

@@ -13,13 +13,19 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import ml_collections
 import numpy as np
 
-from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import plan_from_config
-from jaxkit.experiments import ExperimentError, Options, Report, drive, new_figure, train_unit
+from jaxkit.experiments import (
+    ExperimentError,
+    Options,
+    Report,
+    drive,
+    live_mesh,
+    new_figure,
+    train_unit,
+)
 
 DEFAULT_STEPS = 100
 
@@ -30,8 +36,7 @@ def run(
     options: Options,
     echo: Callable[[str], None],
 ) -> pathlib.Path:
-    devices = jax.devices()
-    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    devices, shape = live_mesh(config)
     plan = plan_from_config(config, shape)
     fused = config.train.accumulation == "fused"
     small = plan.per_device_batch_size if fused else plan.micro_batch_size

@@ -13,14 +13,12 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import ml_collections
 from matplotlib.figure import Figure
 
-from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.costs import split_config
-from jaxkit.experiments import Options, Report, drive, train_unit
+from jaxkit.experiments import Options, Report, drive, live_mesh, train_unit
 
 DEFAULT_STEPS = 6
 ACCUM_SWEEP = (1, 2, 4, 8)
@@ -32,8 +30,7 @@ def run(
     options: Options,
     echo: Callable[[str], None],
 ) -> pathlib.Path:
-    devices = jax.devices()
-    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    devices, shape = live_mesh(config)
     b0 = plan_from_config(config, shape).per_device_batch_size
     top = options.max_per_device_batch or 4 * b0
     batches = [2**i for i in range(int(math.log2(max(top, 1))) + 1)]
