@@ -165,3 +165,15 @@ def test_a_run_reports_flops_and_mfu_from_its_compiled_step(tmp_path, monkeypatc
         assert record["mfu"] == pytest.approx(record["flops_per_s"] / 1e9)
     assert result.summary["peak_flops_per_s"] == 1e9
     assert result.summary["memory_bytes"] > 0
+
+
+def test_plan_max_per_device_batch_from_the_cli():
+    out = jaxkit("plan", "mlp_digits", "--max-per-device-batch", "--memory-budget", "1")
+    assert out.returncode == 1 and "even per_device_batch_size=1 needs" in out.stdout
+    one = jaxkit("plan", "mlp_digits", "--max-per-device-batch", "--memory-budget", "1", "--json")
+    need = json.loads(one.stdout)["tried"]["1"]
+    # A budget of exactly what one row needs: 1 fits, 2 does not, found in two compiles.
+    out = jaxkit("plan", "mlp_digits", "--max-per-device-batch", "--memory-budget", str(need))
+    assert out.returncode == 0, out.stderr
+    assert "max per_device_batch_size=1 on 8 devices" in out.stdout
+    assert "(2 compiles" in out.stdout
