@@ -165,19 +165,28 @@ def compile_setup_step(
 
 
 def update_flops(setup: Setup, state: Any) -> float:
-    """FLOPs per device of the inner optimizer's update and its application to the params."""
+    """FLOPs per device of the inner optimizer's update and its application to the params.
+
+    Counted on one device's shards of the state, from the lowered program: the update is
+    elementwise per shard, and lowering costs a fraction of a compile at every run's start.
+    (Before XLA's optimisations the count runs a little high: 10.0 M against 9.6 M compiled
+    for the tiny LM, against 3.1 G per optimizer step.)
+    """
     inner = setup.tx.inner_opt
 
     def update(grads: Any, inner_state: Any, params: Any) -> Any:
         updates, new_state = inner.update(grads, inner_state, params)
         return optax.apply_updates(params, updates), new_state
 
-    args = (state.params, state.opt_state.inner_opt_state, state.params)
-    return _flops(jax.jit(update).lower(*args).compile())
+    def shard(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype)
+
+    args = jax.tree.map(shard, (state.params, state.opt_state.inner_opt_state, state.params))
+    return _flops(jax.jit(update).lower(*args))
 
 
-def _flops(compiled: jax.stages.Compiled) -> float:
-    analysis = compiled.cost_analysis()
+def _flops(program: jax.stages.Compiled | jax.stages.Lowered) -> float:
+    analysis = program.cost_analysis()
     if isinstance(analysis, list):  # older jax: one dict per program
         analysis = analysis[0]
     return float((analysis or {}).get("flops", 0.0))
@@ -234,7 +243,10 @@ def enumerate_splits(
     cannot use are left out. Ordered by devices (most first), then per-device batch (largest
     first).
     """
-    g = plan_from_config(config, _any_shape(config, max(device_counts))).global_batch_size
+    # The global batch as the config resolves it on the most devices (the live count, from
+    # the CLI): with global_batch_size unset it depends on the data-parallel size.
+    largest = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), max(device_counts))
+    g = plan_from_config(config, largest).global_batch_size
     splits = []
     for n in sorted(set(device_counts), reverse=True):
         try:
@@ -248,13 +260,6 @@ def enumerate_splits(
             plan = plan_from_config(split_config(config, b, g // (dp * b)), shape)
             splits.append(Split(devices=n, plan=plan))
     return splits
-
-
-def _any_shape(config: ml_collections.ConfigDict, n: int) -> dict[str, int]:
-    try:
-        return mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), n)
-    except mesh_lib.MeshError:
-        return {"data": 1, "fsdp": 1, "tensor": 1}
 
 
 def with_costs(

@@ -22,6 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxkit.batch_plan import BatchPlan
+
+
+def small_batch_size(plan: BatchPlan, accumulation: str) -> int:
+    """Rows behind the step's small-batch gradient: one device's share of a micro-batch in
+    fused mode (its local gradient), a whole micro-batch with MultiSteps."""
+    return plan.per_device_batch_size if accumulation == "fused" else plan.micro_batch_size
+
 
 def unbiased_estimates(
     small_sq: float, big_sq: float, b_small: float, b_big: float

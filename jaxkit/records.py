@@ -16,7 +16,7 @@ import numpy as np
 from jaxkit import data as data_lib
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.costs import StepCost
-from jaxkit.noise_scale import NoiseScale
+from jaxkit.noise_scale import NoiseScale, small_batch_size
 from jaxkit.peak import Peak
 from jaxkit.train_step import Setup
 
@@ -39,9 +39,7 @@ class StepTracker:
         self.plan, self.setup = plan, setup
         self.cost, self.peak = cost, peak  # compiled FLOPs per step; the devices' peak
         # The noise scale's small batch: a micro-batch, or one device's share of it (fused).
-        b_small = (
-            plan.per_device_batch_size if setup.accumulation == "fused" else plan.micro_batch_size
-        )
+        b_small = small_batch_size(plan, setup.accumulation)
         self.noise_scale = (
             NoiseScale(b_small, plan.global_batch_size, config.train.noise_scale_decay)
             if b_small < plan.global_batch_size

@@ -8,6 +8,7 @@ Plots draw on matplotlib axes the caller makes.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -158,5 +159,9 @@ def sharding_table(tree: Any) -> str:
 
 
 def bytes_per_device(tree: Any) -> int:
-    """Bytes of a tree's arrays that device 0 of their meshes holds."""
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+    """Bytes of one device's shard of each array in a tree: arrays, or abstract arrays that
+    carry their sharding (jax.ShapeDtypeStruct), as the compiler would lay them out."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
+    )

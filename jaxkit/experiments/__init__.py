@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -16,20 +17,17 @@ from typing import TypeVar
 
 import jax
 import ml_collections
-import numpy as np
 import tqdm
 from etils import epath
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import format_table
 from jaxkit.costs import split_config
 from jaxkit.loop import RunResult, train
 from jaxkit.workdir import write_text_atomic
 
 U = TypeVar("U")  # one unit of an experiment's work
-NAMES = ("equivalence", "memory", "throughput", "batch-size", "noise-scale")
 
 
 class ExperimentError(ValueError):
@@ -125,10 +123,6 @@ def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -
     return "\n".join(lines)
 
 
-def console_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
-    return format_table(header, rows)
-
-
 @dataclasses.dataclass(frozen=True)
 class Split:
     """devices × per_device_batch_size × grad_accum_steps, as the seeds write it."""
@@ -201,8 +195,9 @@ def live_mesh(config: ml_collections.ConfigDict) -> tuple[list[jax.Device], dict
     return devices, mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
 
 
-def losses(result: RunResult) -> np.ndarray:
-    return np.array([r["loss"] for r in result.records if "loss" in r])
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to `limit`: the per-device batches a sweep tries."""
+    return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
 
 
 def new_figure() -> tuple[Figure, Axes]:
@@ -228,5 +223,5 @@ def run(
         "noise-scale": noise.run,
     }
     if name not in runners:
-        raise ExperimentError(f"no experiment {name!r}; choose one of {', '.join(NAMES)}")
+        raise ExperimentError(f"no experiment {name!r}; choose one of {', '.join(runners)}")
     return runners[name](config, out, options, echo)

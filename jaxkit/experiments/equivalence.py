@@ -22,11 +22,11 @@ from jaxkit.experiments import (
     Report,
     Split,
     drive,
-    losses,
     new_figure,
     parse_splits,
     train_split,
 )
+from jaxkit.viz import loss_curve
 
 DEFAULT_STEPS = 20
 F32_EPS = float(np.finfo(np.float32).eps)
@@ -63,7 +63,7 @@ def run(
     def do_unit(split: Split) -> None:
         result = train_split(config, split, devices, steps)
         results[split] = {
-            "losses": losses(result),
+            "losses": loss_curve(result.records)[1],
             "params": jax.device_get(result.state.params),
             "step_s": result.summary.get("median_step_time_s"),
             "memory": result.summary.get("memory_bytes"),

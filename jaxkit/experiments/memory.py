@@ -9,11 +9,9 @@ growth in a fresh process, next to the estimate.
 
 from __future__ import annotations
 
-import math
 import pathlib
 from collections.abc import Callable
 
-import jax
 import ml_collections
 import numpy as np
 
@@ -21,21 +19,11 @@ from jaxkit import costs, rss
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.checkpoint import abstract_state
-from jaxkit.experiments import Options, Report, drive, live_mesh, new_figure
+from jaxkit.experiments import Options, Report, drive, live_mesh, new_figure, powers_of_two
 from jaxkit.train_step import build
+from jaxkit.viz import bytes_per_device
 
 ACCUM_SWEEP = (1, 2, 4, 8)
-
-
-def _powers_of_two(limit: int) -> list[int]:
-    return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
-
-
-def _shard_bytes(tree: object) -> int:
-    return sum(
-        math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-        for leaf in jax.tree.leaves(tree)
-    )
 
 
 def state_breakdown(config: ml_collections.ConfigDict, devices: list) -> list[tuple[str, int]]:
@@ -44,12 +32,12 @@ def state_breakdown(config: ml_collections.ConfigDict, devices: list) -> list[tu
     setup = build(config, plan_from_config(config, mesh_lib.mesh_shape(mesh)), mesh)
     state = abstract_state(setup)
     return [
-        ("params", _shard_bytes(state.params)),
+        ("params", bytes_per_device(state.params)),
         (
             "optimizer state (inner: moments, counters)",
-            _shard_bytes(state.opt_state.inner_opt_state),
+            bytes_per_device(state.opt_state.inner_opt_state),
         ),
-        ("MultiSteps accumulator (acc_grads)", _shard_bytes(state.opt_state.acc_grads)),
+        ("MultiSteps accumulator (acc_grads)", bytes_per_device(state.opt_state.acc_grads)),
     ]
 
 
@@ -62,7 +50,7 @@ def run(
     devices, shape = live_mesh(config)
     base = plan_from_config(config, shape)
     top = options.max_per_device_batch or 4 * base.per_device_batch_size
-    batches = _powers_of_two(top)
+    batches = powers_of_two(top)
     b0 = base.per_device_batch_size
     units: list[tuple[str, int]] = [("batch", b) for b in batches]
     units += [(mode, k) for mode in ("multisteps", "fused") for k in ACCUM_SWEEP]

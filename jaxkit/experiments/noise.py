@@ -26,6 +26,7 @@ from jaxkit.experiments import (
     new_figure,
     train_unit,
 )
+from jaxkit.noise_scale import small_batch_size
 
 DEFAULT_STEPS = 100
 
@@ -39,7 +40,7 @@ def run(
     devices, shape = live_mesh(config)
     plan = plan_from_config(config, shape)
     fused = config.train.accumulation == "fused"
-    small = plan.per_device_batch_size if fused else plan.micro_batch_size
+    small = small_batch_size(plan, config.train.accumulation)
     if small >= plan.global_batch_size:
         raise ExperimentError(
             f"the noise scale needs two batch sizes, but the small one ({small} rows: "

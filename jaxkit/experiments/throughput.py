@@ -8,7 +8,6 @@ multiplies the time per optimizer step and leaves examples/s nearly where it was
 
 from __future__ import annotations
 
-import math
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ from matplotlib.figure import Figure
 
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.costs import split_config
-from jaxkit.experiments import Options, Report, drive, live_mesh, train_unit
+from jaxkit.experiments import Options, Report, drive, live_mesh, powers_of_two, train_unit
 
 DEFAULT_STEPS = 6
 ACCUM_SWEEP = (1, 2, 4, 8)
@@ -33,7 +32,7 @@ def run(
     devices, shape = live_mesh(config)
     b0 = plan_from_config(config, shape).per_device_batch_size
     top = options.max_per_device_batch or 4 * b0
-    batches = [2**i for i in range(int(math.log2(max(top, 1))) + 1)]
+    batches = powers_of_two(top)
     units = [(b, 1) for b in batches] + [(b0, k) for k in ACCUM_SWEEP if k > 1]
     steps = max(options.steps or DEFAULT_STEPS, 2)  # one warm-up step, then timed ones
     rows: dict[tuple[int, int], dict[str, Any]] = {}
