@@ -19,9 +19,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.kind = "transformer"  # transformer | mlp
     c.model.vocab_size = 256  # bytes
-    c.model.d_model = 128  # residual width; divisible by mesh.fsdp
+    c.model.d_model = 128  # residual width; divisible by num_heads, mesh.fsdp and mesh.tensor
     c.model.num_layers = 2
-    c.model.num_heads = 4  # divisible by mesh.tensor
+    c.model.num_heads = 4  # head width d_model / num_heads = 32
     c.model.mlp_dim = 512  # hidden width of each MLP block; divisible by mesh.tensor
 
     c.data = ml_collections.ConfigDict()

@@ -135,8 +135,10 @@ def scaled_learning_rate(
     return base_learning_rate * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """Every divisor of n ≥ 1, ascending, in √n trials: they pair up as d and n / d."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _nearest_multiples(value: int, unit: int, count: int = 2) -> list[int]:
@@ -150,6 +152,12 @@ def _nearest_multiples(value: int, unit: int, count: int = 2) -> list[int]:
     return sorted(lows) + highs
 
 
+def _quotient(a: int, b: int) -> str:
+    """a / b with every digit of its whole part and four after: ".4g" wrote 1e8+7 / 2 as
+    5e+07, a number that looks whole and is off by three."""
+    return f"{a / b:.{len(str(a // b)) + 4}g}"
+
+
 def _join(values: Iterable[object]) -> str:
     return ", ".join(str(v) for v in values)
 
@@ -160,10 +168,10 @@ def _solve(g: int, dp: int, known: int, known_name: str, free_name: str) -> int:
         return g // (dp * known)
     factors = {known_name: str(known), free_name: free_name}
     product = f"{dp} × {factors['per_device_batch_size']} × {factors['grad_accum_steps']}"
-    keep = [d for d in _divisors(g) if g % (dp * d) == 0]
+    keep = [d for d in divisors(g) if g % (dp * d) == 0]
     raise BatchPlanError(
         f"{FORMULA}: {g} = {product} has no integer solution "
-        f"({g} / ({dp} × {known}) = {g / (dp * known):.4g}). "
+        f"({g} / ({dp} × {known}) = {_quotient(g, dp * known)}). "
         f"Valid global_batch_size near {g} for {product}: "
         f"{_join(_nearest_multiples(g, dp * known))}"
         + (
@@ -230,8 +238,8 @@ def make_batch_plan(
         raise BatchPlanError(
             f"{FORMULA}: {dp} × {b} × {k} = {dp * b * k}, not the global_batch_size={g} given. "
             "Give only two of the three (set the third to null), or make them agree: "
-            f"global_batch_size={dp * b * k}, or per_device_batch_size={g / (dp * k):.4g}, "
-            f"or grad_accum_steps={g / (dp * b):.4g}"
+            f"global_batch_size={dp * b * k}, or per_device_batch_size={_quotient(g, dp * k)}, "
+            f"or grad_accum_steps={_quotient(g, dp * b)}"
         )
 
     if seq_len is not None and (isinstance(seq_len, bool) or seq_len <= 0):

@@ -1,4 +1,8 @@
-"""`jaxkit plan` and `jaxkit train`: a thin layer over importable functions."""
+"""`jaxkit plan`, `train`, `experiment` and `report`: a thin layer over importable functions.
+
+Every refusal, from a usage error to a config value out of range, is one line on stderr
+and exit status 2, given before JAX compiles or trains anything.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import datetime
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -14,6 +19,39 @@ if TYPE_CHECKING:
     import ml_collections
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
+COMMANDS = ("plan", "train", "experiment", "report")
+EXPERIMENTS = ("equivalence", "memory", "throughput", "batch-size", "noise-scale")
+# The experiments that read each experiment option: elsewhere a value would be ignored.
+EXPERIMENT_OPTIONS = {
+    "steps": ("equivalence", "throughput", "batch-size", "noise-scale"),
+    "splits": ("equivalence",),
+    "global_batch_sizes": ("batch-size",),
+    "lr_scaling": ("batch-size",),
+    "max_per_device_batch": ("memory", "throughput"),
+    "rss_points": ("memory",),
+}
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer ≥ `low`, refused as a usage error (exit status 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _directory(text: str) -> str:
+    """An argparse type: a path or URL; an empty one would quietly mean the default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; leave the option out for the default")
+    return text
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -25,20 +63,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host-devices",
-        type=int,
+        type=_int_at_least(1),
         metavar="N",
         help=f"simulate N devices on the CPU and run there (default: {DEFAULT_HOST_DEVICES} "
         "CPU devices, used when JAX finds no accelerator)",
     )
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jaxkit",
-        description="Sharded JAX training where global_batch = data_parallel_size × "
-        "per_device_batch × grad_accum_steps is a first-class object.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the batch plan without training")
     _common(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -64,10 +96,15 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="find the largest per-device batch under the memory budget by compile-only search",
     )
+    return plan
+
+
+def _add_train(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train and write config, plan and metrics to a workdir")
     _common(train)
     train.add_argument(
         "--workdir",
+        type=_directory,
         metavar="DIR",
         help="where to write: a path or gs://BUCKET/PATH (default runs/CONFIG-TIMESTAMP)",
     )
@@ -76,28 +113,46 @@ def make_parser() -> argparse.ArgumentParser:
         "multi-process (automatic on Cloud TPU VMs; or JAXKIT_COORDINATOR etc.)"
     )
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
-    multi.add_argument("--num-processes", type=int, metavar="P", help="processes in the run")
-    multi.add_argument("--process-id", type=int, metavar="I", help="this process, 0..P-1")
+    multi.add_argument(
+        "--num-processes", type=_int_at_least(1), metavar="P", help="processes in the run"
+    )
+    multi.add_argument(
+        "--process-id", type=_int_at_least(0), metavar="I", help="this process, 0..P-1"
+    )
     train.add_argument(
         "--allow-batch-change",
         action="store_true",
         help="resume even if the global batch changes (learning rate rescaled by the policy)",
     )
+    train.add_argument(
+        "--allow-longer",
+        action="store_true",
+        help="extend a finished or running run to a larger train.steps; the learning-rate "
+        "schedule is re-laid over the new length",
+    )
+    return train
+
+
+def _add_experiment(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     experiment = sub.add_parser(
         "experiment",
         help="measure a seed claim on a config: a Markdown report with tables and plots",
     )
     experiment.add_argument(
         "name",
-        choices=("equivalence", "memory", "throughput", "batch-size", "noise-scale"),
+        choices=EXPERIMENTS,
         help="equivalence: every split of the global batch trains the same model; memory: "
         "compiled (and measured) memory against per-device batch and accumulation; "
         "throughput: speed against the same; batch-size: several global batches on the same "
         "examples; noise-scale: the critical batch size from the gradient noise scale",
     )
     _common(experiment)
-    experiment.add_argument("--out", metavar="DIR", help="default runs/experiment-NAME-CONFIG-TIME")
-    experiment.add_argument("--steps", type=int, metavar="N", help="optimizer steps per run")
+    experiment.add_argument(
+        "--out", type=_directory, metavar="DIR", help="default runs/experiment-NAME-CONFIG-TIME"
+    )
+    experiment.add_argument(
+        "--steps", type=_int_at_least(1), metavar="N", help="optimizer steps per run"
+    )
     experiment.add_argument(
         "--splits", metavar="DxBxK,...", help="equivalence: e.g. 1x32x1,4x8x1,2x8x2,1x8x4"
     )
@@ -109,31 +164,98 @@ def make_parser() -> argparse.ArgumentParser:
     )
     experiment.add_argument(
         "--max-per-device-batch",
-        type=int,
+        type=_int_at_least(1),
         metavar="B",
         help="memory, throughput: the largest per-device batch swept (powers of two up to B)",
     )
     experiment.add_argument(
-        "--rss-points", type=int, default=3, metavar="N", help="memory: measured points (CPU)"
+        "--rss-points",
+        type=_int_at_least(0),
+        metavar="N",
+        help="memory: measured points (CPU; default 3, 0 = none)",
     )
+    return experiment
+
+
+def _add_report(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     report = sub.add_parser(
         "report", help="plots and a Markdown summary of one or more run directories"
     )
     report.add_argument("workdirs", nargs="+", metavar="WORKDIR")
     report.add_argument(
-        "--out", metavar="DIR", help="where to write (default: WORKDIR/report of the first run)"
+        "--out",
+        type=_directory,
+        metavar="DIR",
+        help="where to write (default: WORKDIR/report of the first run)",
     )
-    return parser
+    return report
+
+
+def make_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser (for `jaxkit --help`) and each command's own parser."""
+    parser = argparse.ArgumentParser(
+        prog="jaxkit",
+        description="Sharded JAX training where global_batch = data_parallel_size × "
+        "per_device_batch × grad_accum_steps is a first-class object.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    adders = (_add_plan, _add_train, _add_experiment, _add_report)
+    commands = {name: add(sub) for name, add in zip(COMMANDS, adders, strict=True)}
+    return parser, commands
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """A command's options anywhere on its line: before CONFIG, between overrides, at the end.
+
+    argparse cannot intermix options and positionals under subparsers, so the command word
+    (always first) picks its own parser, which parses the rest intermixed.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    top, commands = make_parsers()
+    if not argv or argv[0] not in commands:
+        top.parse_args(argv)  # --help, or the usage error that lists the commands
+        top.error(f"the command comes first: jaxkit {{{','.join(COMMANDS)}}} ...")
+    parser = commands[argv[0]]
+    opts = parser.parse_intermixed_args(argv[1:])
+    opts.command = argv[0]
+    problem = _ignored_option(opts)
+    if problem:
+        parser.error(problem)
+    return opts
+
+
+def _ignored_option(opts: argparse.Namespace) -> str | None:
+    """An option this command line would ignore, said as a usage error."""
+    if opts.command == "plan":
+        if opts.all_splits and opts.max_per_device_batch:
+            return "--all-splits and --max-per-device-batch are two modes: give one"
+        if opts.device_counts is not None and not opts.all_splits:
+            return "--device-counts applies only with --all-splits"
+        if opts.memory_budget is not None and not (opts.all_splits or opts.max_per_device_batch):
+            return "--memory-budget applies only with --all-splits or --max-per-device-batch"
+    if opts.command == "experiment":
+        for option, users in EXPERIMENT_OPTIONS.items():
+            if getattr(opts, option) is not None and opts.name not in users:
+                flag = "--" + option.replace("_", "-")
+                return f"{flag} applies to experiment {' and '.join(users)}, not {opts.name}"
+    return None
+
+
+def _error(err: Exception) -> int:
+    """A user-facing refusal: one line on stderr, exit status 2, no traceback."""
+    print(f"jaxkit: error: {err}", file=sys.stderr)
+    return 2
 
 
 def _report(opts: argparse.Namespace) -> int:
     from jaxkit.report import ReportError, write_report
 
     try:
+        if opts.out is not None:
+            _check_can_write(opts.out, "--out")
         out = write_report(opts.workdirs, opts.out)
-    except ReportError as err:
-        print(f"jaxkit: error: {err}", file=sys.stderr)
-        return 2
+    except (ReportError, UsageError) as err:
+        return _error(err)
     print(f"report: {out / 'report.md'}")
     return 0
 
@@ -146,22 +268,36 @@ def _split_args(args: list[str]) -> tuple[str, list[str]]:
     return DEFAULT_CONFIG, args
 
 
+def _load_config(args: list[str]) -> ml_collections.ConfigDict:
+    """CONFIG with its overrides applied and every value checked (before JAX starts)."""
+    from jaxkit.config import apply_overrides, load_config, validate
+
+    name, overrides = _split_args(args)
+    config = load_config(name)
+    apply_overrides(config, overrides)
+    validate(config)
+    return config
+
+
 def _start_jax(host_devices: int | None) -> None:
     """Sets the device count before JAX starts its backend (it cannot change afterwards)."""
     import jax
 
     if host_devices is not None:
-        if host_devices < 1:
-            raise SystemExit(f"jaxkit: --host-devices must be at least 1, got {host_devices}")
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", host_devices or DEFAULT_HOST_DEVICES)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser()
-    opts = parser.parse_args(argv)
+    opts = parse_args(argv)
     if opts.command == "report":
         return _report(opts)  # reads files only: JAX need not start
+    from jaxkit.config import ConfigError
+
+    try:
+        config = _load_config(opts.args)
+    except ConfigError as err:
+        return _error(err)
     _start_jax(opts.host_devices)
     if opts.command == "train":
         from jaxkit.distributed import DistributedError, initialize
@@ -169,22 +305,23 @@ def main(argv: list[str] | None = None) -> int:
         try:
             initialize(opts.coordinator, opts.num_processes, opts.process_id)
         except DistributedError as err:
-            print(f"jaxkit: error: {err}", file=sys.stderr)
-            return 2
+            return _error(err)
+
+    import jax
 
     from jaxkit import mesh as mesh_lib
     from jaxkit.batch_plan import BatchPlanError
     from jaxkit.checkpoint import CheckpointError
-    from jaxkit.config import ConfigError, apply_overrides, load_config
     from jaxkit.data import DataError
     from jaxkit.distributed import DistributedError
+    from jaxkit.train_step import check_on_mesh
 
-    name, overrides = _split_args(opts.args)
     try:
-        config = load_config(name)
-        apply_overrides(config, overrides)
+        # Every command runs the config's mesh on the live devices: its shards must be even.
+        shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(jax.devices()))
+        check_on_mesh(config, shape)
         if opts.command == "plan":
-            return _plan(config, opts)
+            return _plan(config, shape, opts)
         if opts.command == "experiment":
             return _experiment(config, opts)
         return _train(config, opts)
@@ -195,22 +332,21 @@ def main(argv: list[str] | None = None) -> int:
         DataError,
         CheckpointError,
         DistributedError,
-        PlanError,
+        UsageError,
     ) as err:
-        print(f"jaxkit: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err)
 
 
-def _plan(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
+def _plan(
+    config: ml_collections.ConfigDict, shape: dict[str, int], opts: argparse.Namespace
+) -> int:
     import jax
     import tqdm
 
     from jaxkit import costs
-    from jaxkit import mesh as mesh_lib
     from jaxkit.batch_plan import format_table, plan_from_config
 
     devices = jax.devices()
-    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
     plan = plan_from_config(config, shape)  # the configured plan must hold on the live mesh
     if not (opts.all_splits or opts.max_per_device_batch):
         print(json.dumps(plan.to_json()) if opts.json else plan.table())
@@ -224,11 +360,13 @@ def _plan(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
             )
         return _max_batch(config, devices, budget, opts.json)
     counts = _device_counts(opts.device_counts, len(devices))
+    _check_counts_shard_evenly(config, counts)
     splits = costs.enumerate_splits(config, counts)
     if not splits:
+        mesh = " × ".join(f"{axis}={size}" for axis, size in config.mesh.items())
         raise PlanError(
-            f"no device count in {counts} divides global_batch_size={plan.global_batch_size} "
-            "with this mesh"
+            f"no device count in {', '.join(map(str, counts))} both fits mesh {mesh} and "
+            f"divides global_batch_size={plan.global_batch_size} over its data × fsdp ranks"
         )
     with tqdm.tqdm(total=len(splits), unit="compile", file=sys.stderr, disable=opts.json) as bar:
 
@@ -277,8 +415,31 @@ def _plan(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
     return 0
 
 
-class PlanError(ValueError):
+class UsageError(ValueError):
+    """A command line that cannot be run as given (exit status 2)."""
+
+
+class PlanError(UsageError):
     """A `jaxkit plan` request that cannot be answered."""
+
+
+def _check_can_write(path: str, flag: str) -> None:
+    """Fails before any work when a local directory can be neither found nor created.
+
+    Nothing is created here: a run refused later must leave nothing on disk. URLs are
+    left to the code that opens them.
+    """
+    from jaxkit.workdir import is_local
+
+    if not is_local(path):
+        return
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {probe} is not writable")
 
 
 def _memory_budget(text: str | None, device: jax.Device) -> int | None:
@@ -287,9 +448,15 @@ def _memory_budget(text: str | None, device: jax.Device) -> int | None:
     if text is None:
         return costs.device_memory_bytes(device)
     try:
-        return costs.parse_bytes(text)
-    except ValueError as err:
-        raise PlanError(f"--memory-budget: {err}") from None
+        budget = costs.parse_bytes(text)
+    except (ValueError, OverflowError):  # 1e999 overflows int()
+        budget = 0
+    if budget < 1:
+        raise PlanError(
+            f"--memory-budget {text!r} is not a memory size of at least one byte; write e.g. "
+            "16GiB, 512MiB, 2GB or a byte count"
+        )
+    return budget
 
 
 def _device_counts(text: str | None, live: int) -> list[int]:
@@ -302,7 +469,24 @@ def _device_counts(text: str | None, live: int) -> list[int]:
     bad = [n for n in counts if not 1 <= n <= live]
     if bad:
         raise PlanError(f"--device-counts: {bad} outside 1..{live} (the live device count)")
-    return counts
+    return sorted(set(counts), reverse=True)
+
+
+def _check_counts_shard_evenly(config: ml_collections.ConfigDict, counts: list[int]) -> None:
+    """The mesh on each device count (where it fits) must shard the parameters evenly."""
+    from jaxkit import mesh as mesh_lib
+    from jaxkit.config import ConfigError
+    from jaxkit.models import check_mesh_divides
+
+    for n in counts:
+        try:
+            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), n)
+        except mesh_lib.MeshError:
+            continue  # enumerate_splits leaves out the counts this mesh cannot use
+        try:
+            check_mesh_divides(config, shape)
+        except ConfigError as err:
+            raise PlanError(f"--device-counts {n}: {err}") from None
 
 
 def _max_batch(config: ml_collections.ConfigDict, devices: list, budget: int, as_json: bool) -> int:
@@ -320,7 +504,7 @@ def _max_batch(config: ml_collections.ConfigDict, devices: list, budget: int, as
             )
         ),
     )
-    if as_json:
+    if as_json:  # a search that found nothing still says what each size needed
         print(
             json.dumps(
                 {
@@ -333,13 +517,15 @@ def _max_batch(config: ml_collections.ConfigDict, devices: list, budget: int, as
                 }
             )
         )
-        return 0
     if result.cost is None:
-        print(
-            f"even per_device_batch_size=1 needs "
-            f"{costs.format_bytes(result.tried[1])} > {costs.format_bytes(budget)} per device"
+        raise PlanError(
+            f"even per_device_batch_size=1 needs {costs.format_bytes(result.tried[1])} per "
+            f"device on {len(devices)} devices, more than --memory-budget "
+            f"{costs.format_bytes(budget)}: a smaller model, a larger budget, or more devices "
+            "(mesh.fsdp shards the state)"
         )
-        return 1
+    if as_json:
+        return 0
     print(
         f"max per_device_batch_size={result.per_device_batch_size} on {len(devices)} devices: "
         f"{costs.format_bytes(result.cost.memory_bytes)} of {costs.format_bytes(budget)} "
@@ -359,14 +545,16 @@ def _experiment(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> 
     from jaxkit import experiments
 
     out = opts.out or _default_dir(f"experiment-{opts.name}-{config.name}")
+    _check_can_write(out, "--out")
     options = experiments.Options(
         steps=opts.steps,
         splits=opts.splits,
         global_batch_sizes=opts.global_batch_sizes,
         lr_scaling=opts.lr_scaling,
         max_per_device_batch=opts.max_per_device_batch,
-        rss_points=opts.rss_points,
     )
+    if opts.rss_points is not None:  # None: the option was not given, the default holds
+        options.rss_points = opts.rss_points
     print(f"experiment {opts.name}: writing {pathlib.Path(out).resolve()}/report.md")
     try:
         path = experiments.run(opts.name, config, pathlib.Path(out), options)
@@ -386,6 +574,7 @@ def _train(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
     from jaxkit.workdir import absolute
 
     workdir = opts.workdir or _default_dir(config.name)
+    _check_can_write(workdir, "--workdir")
     print(f"workdir: {absolute(workdir)}")  # a gs:// URL as given
     try:
         train(
@@ -393,6 +582,7 @@ def _train(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
             workdir,
             progress=not opts.no_progress,
             allow_batch_change=opts.allow_batch_change,
+            allow_longer=opts.allow_longer,
         )
     except NonFiniteLossError as err:
         print(f"jaxkit: error: {err}", file=sys.stderr)

@@ -2,17 +2,23 @@
 
 A config is a Python file with `get_config()` returning an `ml_collections.ConfigDict`.
 Overrides are `dotted.key=value` strings; `key=null` unsets a value. Unknown keys and
-ill-typed values are errors that name the key and suggest the closest valid one.
+ill-typed values are errors that name the key and suggest the closest valid one, and
+`validate` checks every value before any work starts.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import pathlib
+from collections.abc import Callable
+from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
+
+from jaxkit.batch_plan import LR_SCALINGS
 
 # A checkout's configs/, or the copy a wheel installs as jaxkit/configs.
 _CHECKOUT_CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -22,7 +28,13 @@ CONFIG_DIR = (
     else pathlib.Path(__file__).resolve().parent / "configs"
 )
 DEFAULT_CONFIG = "lm_tiny"
-NULL_WORDS = ("null", "none", "None")
+# Only this word unsets a value: "none" is a value of some string fields (lr_scaling=none).
+NULL_WORD = "null"
+# Keys that were renamed, with what replaced them, so an old override gets a pointer.
+RENAMED = {
+    "train.eval_batches": "train.eval_examples (held-out rows per eval, 0 = every row; "
+    "not micro-batches)",
+}
 
 
 class ConfigError(ValueError):
@@ -64,7 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.seed = 0  # model init and data order
     c.train.log_every = 10  # optimizer steps between metrics records
     c.train.eval_every = 0  # optimizer steps between evals; 0 = only at the end
-    c.train.eval_batches = 0  # micro-batches of held-out data per eval; 0 = all of it
+    # Held-out rows per eval, the first N in a fixed order (the same rows for every split);
+    # 0 = every held-out row.
+    c.train.eval_examples = 0
     c.train.max_nonfinite_in_row = 10  # stop after this many non-finite micro-batches in a row
     # multisteps: optax.MultiSteps, one call per micro-batch (K gradient all-reduces per
     # optimizer step). fused: one call per optimizer step, a local scan over the K
@@ -132,7 +146,7 @@ def flat_keys(config: ml_collections.ConfigDict) -> list[str]:
 
 def parse_value(text: str) -> bool | int | float | str | None:
     """Parses an override value: null, bool, int, float, else the string itself."""
-    if text in NULL_WORDS:
+    if text == NULL_WORD:
         return None
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
@@ -159,6 +173,8 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
         key, text = item.split("=", 1)
+        if key in RENAMED and key not in keys:
+            raise ConfigError(f"{key} was replaced by {RENAMED[key]}")
         if key not in keys:
             raise ConfigError(f"unknown config key {key!r}{_suggest(key, keys)}")
         *parents, leaf = key.split(".")
@@ -168,9 +184,14 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
         value = parse_value(text)
         current = node[leaf]
         expected = node.get_type(leaf) if hasattr(node, "get_type") else type(current)
+        if text.lower() == "none" and expected not in (str, type(None)):
+            raise ConfigError(
+                f"{key}={text}: {text!r} is not a value of this {expected.__name__} field; "
+                f"write {key}=null to unset it"
+            )
         if value is not None and expected is not type(None):
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
+                value = float(text)  # a float's own reading: 1e400 digits give inf, not an error
             elif expected is str and not isinstance(value, str):
                 value = text
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
@@ -184,3 +205,238 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
 
 def config_to_json(config: ml_collections.ConfigDict) -> dict:
     return config.to_dict()
+
+
+# Validation: every value is checked before any work, so a bad one is a message that names
+# its key and constraint, never a traceback (or a silent NaN) after minutes of compiling.
+
+Rule = Callable[[object], str | None]  # None when the value is fine, else what it must be
+
+
+def _show(value: object) -> str:
+    return NULL_WORD if value is None else repr(value) if isinstance(value, str) else str(value)
+
+
+def _integer(low: int, high: int | None = None, *, nullable: bool = False) -> Rule:
+    """An int (not a bool) in [low, high), or null where `nullable`."""
+    want = f"an integer ≥ {low}" if high is None else f"an integer in [{low}, {high})"
+    want = f"null or {want}" if nullable else want
+
+    def check(value: object) -> str | None:
+        if value is None and nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be {want}"
+        return None if value >= low and (high is None or value < high) else f"must be {want}"
+
+    return check
+
+
+def _number(low: float, high: float | None = None, *, open_low: bool, open_high: bool) -> Rule:
+    """A finite real (int or float, not a bool) between `low` and `high`."""
+    if high is None:
+        want = f"{'>' if open_low else '≥'} {low:g}"
+    else:
+        want = f"in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+
+    def check(value: object) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number {want}"
+        if not math.isfinite(value):
+            return f"must be a finite number {want}"
+        above = value > low if open_low else value >= low
+        below = high is None or (value < high if open_high else value <= high)
+        return None if above and below else f"must be {want}"
+
+    return check
+
+
+def _one_of(*choices: str) -> Rule:
+    return lambda value: None if value in choices else f"must be one of {', '.join(choices)}"
+
+
+def _text(*, nullable: bool) -> Rule:
+    def check(value: object) -> str | None:
+        if isinstance(value, str) or (nullable and value is None):
+            return None
+        return "must be null or a string" if nullable else "must be a string"
+
+    return check
+
+
+def _null(why: str) -> Rule:
+    return lambda value: None if value is None else f"must be null: {why}"
+
+
+def _mesh_axis(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not (value >= 1 or value == -1):
+        return "must be a positive axis size, or -1 to take the remaining devices"
+    return None
+
+
+_POSITIVE = _integer(1)
+_COUNT = _integer(0)  # 0 has a documented meaning (off, or every row)
+_FRACTION_OPEN = _number(0, 1, open_low=False, open_high=True)  # [0, 1)
+
+# Every key of base_config(), and its constraint.
+BASE_RULES: dict[str, Rule] = {
+    "batch.global_batch_size": _integer(1, nullable=True),
+    "batch.per_device_batch_size": _integer(1, nullable=True),
+    "batch.grad_accum_steps": _integer(1, nullable=True),
+    "mesh.data": _mesh_axis,
+    "mesh.fsdp": _mesh_axis,
+    "mesh.tensor": _mesh_axis,
+    "optimizer.name": _one_of("adamw", "sgd"),
+    "optimizer.learning_rate": _number(0, open_low=True, open_high=False),
+    "optimizer.lr_scaling": _one_of(*LR_SCALINGS),
+    "optimizer.reference_batch_size": _integer(1, nullable=True),
+    "optimizer.warmup_steps": _COUNT,
+    "optimizer.final_lr_fraction": _number(0, 1, open_low=False, open_high=False),
+    "optimizer.weight_decay": _number(0, open_low=False, open_high=False),
+    "optimizer.b1": _FRACTION_OPEN,
+    "optimizer.b2": _FRACTION_OPEN,
+    "optimizer.momentum": _FRACTION_OPEN,
+    "optimizer.grad_clip_norm": _number(0, open_low=False, open_high=False),
+    "train.steps": _POSITIVE,
+    # jax.random.key keeps 32 bits: seed 2**32 would initialize exactly as seed 0.
+    "train.seed": _integer(0, 2**32),
+    "train.log_every": _POSITIVE,
+    "train.eval_every": _COUNT,
+    "train.eval_examples": _COUNT,
+    "train.max_nonfinite_in_row": _POSITIVE,
+    "train.accumulation": _one_of("multisteps", "fused"),
+    "train.noise_scale_decay": _FRACTION_OPEN,  # 1 divides by its bias correction, 1 − 1**n
+    "train.profile_steps": _text(nullable=False),
+    "checkpoint.every": _COUNT,
+    "checkpoint.keep": _POSITIVE,
+    "model.kind": _one_of("transformer", "mlp"),
+}
+
+# Each model kind's keys: the model's sizes, and the data it reads.
+MODEL_RULES: dict[str, dict[str, Rule]] = {
+    "transformer": {
+        "model.vocab_size": _POSITIVE,
+        "model.d_model": _POSITIVE,
+        "model.num_layers": _POSITIVE,
+        "model.num_heads": _POSITIVE,
+        "model.mlp_dim": _POSITIVE,
+        "data.source": _one_of("text", "synthetic"),
+        "data.seq_len": _POSITIVE,
+        "data.eval_fraction": _number(0, 1, open_low=True, open_high=True),
+    },
+    "mlp": {
+        "model.hidden_size": _POSITIVE,
+        "model.num_layers": _POSITIVE,
+        "model.num_classes": _POSITIVE,
+        "data.source": _one_of("digits", "synthetic"),
+        "data.num_features": _POSITIVE,
+        "data.eval_fraction": _number(0, 1, open_low=True, open_high=True),
+    },
+}
+
+# Keys a model kind may leave out, checked where present.
+OPTIONAL_RULES: dict[str, dict[str, Rule]] = {
+    "transformer": {},
+    "mlp": {"data.seq_len": _null("the mlp reads rows, not sequences")},
+}
+# Keys only one data source reads: required with that source, checked wherever present.
+SOURCE_RULES: dict[str, dict[str, Rule]] = {
+    "text": {"data.path": _text(nullable=True), "data.max_bytes": _POSITIVE},
+    "synthetic": {"data.num_examples": _POSITIVE},
+    "digits": {},
+}
+BYTES = 256  # the text source's token ids are bytes
+DIGITS_FEATURES, DIGITS_CLASSES = 64, 10  # scikit-learn's 8×8 digits, labels 0..9
+
+
+def _check(flat: dict[str, object], rules: dict[str, Rule], needed_by: str | None) -> None:
+    """Each present key against its rule; a missing one is an error where `needed_by` says
+    what needs it (None: keys read only elsewhere, checked where present)."""
+    for key, rule in rules.items():
+        if key not in flat:
+            if needed_by is not None:
+                raise ConfigError(f"the config has no {key}, which {needed_by} needs")
+            continue
+        problem = rule(flat[key])
+        if problem:
+            raise ConfigError(f"{key}={_show(flat[key])}: {problem}")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Checks every value of `config` (base keys and its model kind's); a ConfigError names
+    the first bad key and its constraint."""
+    flat = flatten(config)
+    for old in RENAMED:
+        if old in flat:
+            raise ConfigError(f"{old} was replaced by {RENAMED[old]}")
+    _check(flat, BASE_RULES, "every job")
+    kind, source = str(flat["model.kind"]), flat.get("data.source")
+    _check(flat, MODEL_RULES[kind], f"model.kind={kind!r}")
+    _check(flat, OPTIONAL_RULES[kind], None)
+    for name, rules in SOURCE_RULES.items():
+        _check(flat, rules, f"data.source={name!r}" if name == source else None)
+    _check_relations(flat, kind)
+
+
+def _check_relations(flat: dict[str, Any], kind: str) -> None:
+    """Constraints between keys, once each key holds a value of the right kind."""
+    if flat["optimizer.lr_scaling"] != "none" and flat["optimizer.reference_batch_size"] is None:
+        raise ConfigError(
+            f"optimizer.lr_scaling={flat['optimizer.lr_scaling']!r} scales the learning rate by "
+            "global_batch_size / reference_batch_size: give optimizer.reference_batch_size"
+        )
+    free = [f"mesh.{axis}" for axis in ("data", "fsdp", "tensor") if flat[f"mesh.{axis}"] == -1]
+    if len(free) > 1:
+        raise ConfigError(f"{', '.join(free)} are -1: at most one mesh axis may take the rest")
+    if flat["train.profile_steps"]:
+        parse_profile_steps(flat["train.profile_steps"], flat["train.steps"])
+    if kind == "transformer":
+        _check_transformer(flat)
+    else:
+        _check_mlp(flat)
+
+
+def _check_transformer(flat: dict[str, Any]) -> None:
+    d_model, heads = flat["model.d_model"], flat["model.num_heads"]
+    if d_model % heads:
+        raise ConfigError(
+            f"model.d_model={d_model} is not divisible by model.num_heads={heads}: each head "
+            "takes d_model / num_heads dimensions"
+        )
+    if flat["data.source"] == "text" and flat["model.vocab_size"] < BYTES:
+        raise ConfigError(
+            f"model.vocab_size={flat['model.vocab_size']}: data.source='text' feeds bytes, "
+            f"so it must be at least {BYTES}"
+        )
+
+
+def _check_mlp(flat: dict[str, Any]) -> None:
+    if flat["data.source"] != "digits":
+        return
+    if flat["data.num_features"] != DIGITS_FEATURES:
+        raise ConfigError(
+            f"data.num_features={flat['data.num_features']}: data.source='digits' gives "
+            f"{DIGITS_FEATURES} features (8×8 pixels)"
+        )
+    if flat["model.num_classes"] < DIGITS_CLASSES:
+        raise ConfigError(
+            f"model.num_classes={flat['model.num_classes']}: data.source='digits' has labels "
+            f"0..{DIGITS_CLASSES - 1}, so it must be at least {DIGITS_CLASSES}"
+        )
+
+
+def parse_profile_steps(text: str, steps: int) -> tuple[int, int] | None:
+    """`train.profile_steps="START:END"`: optimizer steps START..END-1 (0-based); "" = off."""
+    if not text:
+        return None
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ConfigError(
+            f"train.profile_steps={text!r} is not START:END (e.g. 10:12 traces steps 10 and 11)"
+        ) from None
+    if not 0 <= start < end <= steps:
+        raise ConfigError(
+            f"train.profile_steps={text!r} needs 0 <= START < END <= train.steps={steps}"
+        )
+    return start, end

@@ -50,13 +50,23 @@ def on_cloud_tpu_vm(pci_devices: str = "/sys/bus/pci/devices") -> bool:
     return False
 
 
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise DistributedError(f"{name}={text!r} is not an integer") from None
+
+
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
     """Joins this process to its peers; does nothing for a single process."""
     coordinator = coordinator or os.environ.get("JAXKIT_COORDINATOR")
-    if num_processes is None and os.environ.get("JAXKIT_NUM_PROCESSES"):
-        num_processes = int(os.environ["JAXKIT_NUM_PROCESSES"])
-    if process_id is None and os.environ.get("JAXKIT_PROCESS_ID"):
-        process_id = int(os.environ["JAXKIT_PROCESS_ID"])
+    if num_processes is None:
+        num_processes = _env_int("JAXKIT_NUM_PROCESSES")
+    if process_id is None:
+        process_id = _env_int("JAXKIT_PROCESS_ID")
     given = [v is not None for v in (coordinator, num_processes, process_id)]
     if any(given) and not all(given):
         raise DistributedError(

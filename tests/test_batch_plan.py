@@ -2,6 +2,7 @@ import math
 
 import pytest
 
+from jaxkit import batch_plan
 from jaxkit.batch_plan import BatchPlanError, make_batch_plan, splits_table
 
 
@@ -143,3 +144,44 @@ def test_json_has_the_contract_keys():
         128,
         4096,
     )
+
+
+def test_divisors_match_a_brute_force_count():
+    for n in [*range(1, 2000), 2**16, 3**10, 720720, 999_983 * 2, 10**6]:
+        assert batch_plan.divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+
+
+class _CountingInt(int):
+    """An int that counts the remainders taken of it."""
+
+    remainders = 0
+
+    def __mod__(self, other):
+        _CountingInt.remainders += 1
+        return int(self) % other
+
+
+def test_divisors_take_square_root_many_trials():
+    n = _CountingInt(1_000_003)  # prime: the trials cannot stop early
+    _CountingInt.remainders = 0
+    assert batch_plan.divisors(n) == [1, 1_000_003]
+    assert _CountingInt.remainders <= math.isqrt(1_000_003) + 1  # not 1,000,003
+
+
+def test_a_large_prime_global_batch_gets_its_suggestions():
+    g = 10**8 + 7  # prime: only 1 × g splits it; every number up to g was tried before
+    with pytest.raises(BatchPlanError) as err:
+        plan(1, g, None, 2)
+    msg = str(err.value)
+    assert f"({g} / (1 × 2) = 50000003.5)" in msg  # ".4g" printed 5e+07, as if it divided
+    assert "100000004, 100000006, 100000008, 100000010" in msg  # multiples of 2 around g
+    assert f"or keep {g} with grad_accum_steps in 1, {g}" in msg
+    with pytest.raises(BatchPlanError, match=f"{g} is not divisible by data_parallel_size=8"):
+        plan(8, g, None, 2)
+
+
+def test_inconsistent_large_values_print_exact_quotients():
+    with pytest.raises(BatchPlanError) as err:
+        plan(4, 100_000_000, 8, 2)
+    msg = str(err.value)
+    assert "per_device_batch_size=12500000," in msg and "grad_accum_steps=3125000" in msg

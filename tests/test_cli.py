@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -64,27 +66,29 @@ def test_plan_errors_exit_nonzero_with_the_reason():
 
 
 def test_train_refuses_data_too_small_before_training(tmp_path):
-    out = jaxkit("train", "lm_tiny", "data.max_bytes=20000", "--workdir", str(tmp_path / "r"))
-    assert out.returncode == 2 and "fewer than one micro-batch" in out.stderr
+    # 8,000 bytes: 7,600 for training, 59 rows of 128, fewer than one global batch of 64.
+    out = jaxkit("train", "lm_tiny", "data.max_bytes=8000", "--workdir", str(tmp_path / "r"))
+    assert out.returncode == 2 and "global_batch_size=64 exceeds the 59 training rows" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
 def test_train_writes_config_plan_and_metrics(tmp_path):
     workdir = tmp_path / "run"
-    out = jaxkit(
+    out = jaxkit(  # options before CONFIG, between overrides and at the end, as users type
         "train",
+        "--host-devices",
+        "8",
         "lm_tiny",
         "train.steps=4",
         "train.log_every=2",
+        "--no-progress",
         "train.eval_every=2",
-        "train.eval_batches=1",
-        "data.max_bytes=100000",
-        "model.num_layers=1",
-        "--host-devices",
-        "8",
+        "train.eval_examples=32",
         "--workdir",
         str(workdir),
-        "--no-progress",
+        "data.max_bytes=100000",
+        "model.num_layers=1",
+        "--allow-longer",  # nothing to extend in a new run; the flag reaches loop.train
     )
     assert out.returncode == 0, out.stderr
     assert "tokens_per_step" in out.stdout and "nats/byte" in out.stdout
@@ -115,5 +119,183 @@ def test_train_writes_config_plan_and_metrics(tmp_path):
 
 def test_train_reports_bad_choices_without_a_traceback(tmp_path):
     out = jaxkit("train", "mlp_digits", "model.kind=cnn", "--workdir", str(tmp_path / "r"))
-    assert out.returncode == 2 and "model.kind='cnn' is not one of transformer, mlp" in out.stderr
+    assert out.returncode == 2 and "model.kind='cnn': must be one of transformer, mlp" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _refused(out, *fragments):
+    """A usage error: exit status 2, the reason on stderr, no traceback, nothing on stdout."""
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert "error:" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    for fragment in fragments:
+        assert fragment in out.stderr, (fragment, out.stderr)
+
+
+def test_plan_options_anywhere_on_the_line():
+    lines = [
+        ("--host-devices", "2", "--json", "mlp_digits", "batch.per_device_batch_size=8"),
+        ("mlp_digits", "--host-devices", "2", "batch.per_device_batch_size=8", "--json"),
+        ("--json", "mlp_digits", "batch.per_device_batch_size=8", "--host-devices", "2"),
+    ]
+    plans = []
+    for line in lines:
+        out = jaxkit("plan", *line)
+        assert out.returncode == 0, (line, out.stderr)
+        plans.append(json.loads(out.stdout))
+    assert plans[0] == plans[1] == plans[2]
+    p = plans[0]
+    assert (p["data_parallel_size"], p["per_device_batch_size"], p["grad_accum_steps"]) == (2, 8, 2)
+
+
+def test_experiment_train_and_report_options_anywhere_on_the_line(tmp_path):
+    # Each line is parsed whole and then refused for a reason found after parsing, so the
+    # refusal shows the options were read, wherever they stood.
+    out = jaxkit(
+        "experiment",
+        "--steps",
+        "2",
+        "equivalence",
+        "--host-devices",
+        "2",
+        "mlp_digits",
+        "--splits",
+        "3x3x1",
+        "train.seed=1",
+        "--out",
+        str(tmp_path / "exp"),
+    )
+    _refused(out, "split 3×3×1 makes a global batch of 9, not the config's 32")
+    out = jaxkit(
+        "train",
+        "--no-progress",
+        "mlp_digits",
+        "--workdir",
+        str(tmp_path / "run"),
+        "train.steps=0",
+        "--allow-longer",
+        "--host-devices",
+        "2",
+    )
+    _refused(out, "train.steps=0: must be an integer ≥ 1")
+    assert not (tmp_path / "run").exists()
+    out = jaxkit("report", str(tmp_path / "a"), "--out", str(tmp_path / "o"), str(tmp_path / "b"))
+    _refused(out, "a has no metrics.jsonl")
+
+
+def test_help_lists_the_commands_and_their_flags():
+    top = jaxkit("--help")
+    assert top.returncode == 0 and all(c in top.stdout for c in ("plan", "train", "experiment"))
+    plan = jaxkit("plan", "--help")
+    assert plan.returncode == 0 and "--max-per-device-batch" in plan.stdout
+    train = jaxkit("train", "--help")
+    assert train.returncode == 0 and "--allow-longer" in train.stdout
+    assert "learning-rate schedule is re-laid" in " ".join(train.stdout.split())
+
+
+def test_lr_scaling_none_is_the_documented_string():
+    out = jaxkit("plan", "mlp_digits", "optimizer.lr_scaling=none", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["lr_scaling"] == "none"
+    _refused(jaxkit("plan", "mlp_digits", "train.steps=None"), "write train.steps=null")
+
+
+@pytest.mark.parametrize(
+    "command,override,message",
+    [
+        ("plan", "mesh.data=null", "mesh.data=null: must be a positive axis size"),
+        ("plan", "train.eval_batches=1", "train.eval_batches was replaced by train.eval_examples"),
+        ("plan", "train.noise_scale_decay=1", "train.noise_scale_decay=1.0: must be in [0, 1)"),
+        ("train", "train.log_every=0", "train.log_every=0: must be an integer ≥ 1"),
+        ("train", "train.steps=-5", "train.steps=-5: must be an integer ≥ 1"),
+        ("train", "optimizer.learning_rate=nan", "optimizer.learning_rate=nan: must be a finite"),
+        ("train", "checkpoint.keep=0", "checkpoint.keep=0: must be an integer ≥ 1"),
+        ("experiment", "optimizer.learning_rate=nan", "optimizer.learning_rate=nan"),
+    ],
+)
+def test_bad_values_are_refused_before_any_work(tmp_path, command, override, message):
+    out_dir = str(tmp_path / "r")
+    line = {
+        "plan": ["plan", "mlp_digits", override],
+        "train": ["train", "mlp_digits", override, "--workdir", out_dir],
+        "experiment": ["experiment", "equivalence", "mlp_digits", override, "--out", out_dir],
+    }[command]
+    out = jaxkit(*line, "--host-devices", "2")
+    _refused(out, f"jaxkit: error: {message}")
+    assert out.stdout == "" and not (tmp_path / "r").exists()
+
+
+def test_heads_and_uneven_shards_are_refused_before_compiling(tmp_path):
+    _refused(
+        jaxkit("plan", "lm_tiny", "model.num_heads=3"),
+        "model.d_model=128 is not divisible by model.num_heads=3",
+    )
+    uneven_fsdp = ("model.d_model=36", "model.num_heads=4", "mesh.fsdp=8", "mesh.data=1")
+    _refused(
+        jaxkit("plan", "lm_tiny", *uneven_fsdp), "model.d_model=36 is not divisible by mesh.fsdp=8"
+    )
+    out = jaxkit(
+        "train",
+        "mlp_digits",
+        "model.hidden_size=100",
+        "mesh.tensor=8",
+        "mesh.data=1",
+        "--workdir",
+        str(tmp_path / "r"),
+    )
+    _refused(out, "model.hidden_size=100 is not divisible by mesh.tensor=8")
+    assert out.stdout == "" and not (tmp_path / "r").exists()
+    # Fine on the 8 live devices (tensor=8), uneven on 3 (tensor=3).
+    out = jaxkit(
+        "plan",
+        "mlp_digits",
+        "mesh.data=1",
+        "mesh.tensor=-1",
+        "--all-splits",
+        "--device-counts",
+        "8,3",
+    )
+    _refused(out, "--device-counts 3: model.hidden_size=128 is not divisible by mesh.tensor=3")
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        (["plan", "mlp_digits", "--host-devices", "0"], "--host-devices: must be at least 1"),
+        (["plan", "mlp_digits", "--host-devices", "x"], "--host-devices: 'x' is not an integer"),
+        (["plan", "mlp_digits", "--memory-budget", "1GiB"], "--memory-budget applies only"),
+        (["plan", "mlp_digits", "--device-counts", "4"], "--device-counts applies only"),
+        (
+            ["plan", "mlp_digits", "--all-splits", "--max-per-device-batch"],
+            "two modes: give one",
+        ),
+        (["experiment", "memory", "mlp_digits", "--splits", "1x32x1"], "--splits applies to"),
+        (["experiment", "equivalence", "--rss-points", "1"], "--rss-points applies to"),
+        (["experiment", "equivalence", "--steps", "0"], "--steps: must be at least 1"),
+        (["experiment", "memory", "--max-per-device-batch", "0"], "must be at least 1"),
+        (["train", "mlp_digits", "--num-processes", "0"], "--num-processes: must be at least 1"),
+        (["plan", "no_such_config"], "no config 'no_such_config'"),
+        (["plan", "mlp_digits", "train.steps"], "not of the form dotted.key=value"),
+        ([], "required: command"),
+        (["plan", "mlp_digits", "--all-splits", "--memory-budget", "1e999"], "not a memory size"),
+        (["plan", "mlp_digits", "--all-splits", "--memory-budget", "0.5"], "at least one byte"),
+        (["plan", "mlp_digits", "--all-splits", "--device-counts", "8,x"], "comma-separated"),
+        (["report", "no/such/run"], "no/such/run has no metrics.jsonl"),
+        (["train", "mlp_digits", "--workdir", ""], "--workdir: an empty path"),
+        (["report", "run", "--out", " "], "--out: an empty path"),
+    ],
+)
+def test_usage_errors_exit_2_without_a_traceback(line, message):
+    _refused(jaxkit(*line), message)
+
+
+def test_unwritable_output_directories_are_refused_first(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for line in (
+        ["train", "mlp_digits", "--workdir", str(blocker / "run")],
+        ["experiment", "equivalence", "mlp_digits", "--out", str(blocker / "exp")],
+        ["report", str(tmp_path), "--out", str(blocker / "report")],
+    ):
+        out = jaxkit(*line)
+        _refused(out, f"{blocker} is a file, not a directory")
+        assert "workdir:" not in out.stdout  # refused before the run starts
