@@ -46,7 +46,7 @@ def lm(mode: str, accum: int, steps: int):
             f"batch.grad_accum_steps={accum}",
             f"train.steps={steps}",
             f"train.log_every={steps}",
-            "train.eval_batches=1",
+            "train.eval_examples=32",
             f"train.accumulation={mode}",
             "data.max_bytes=2000000",
         ],

@@ -49,7 +49,8 @@ def measure(name: str, overrides: list[str], params_only: bool) -> dict:
         source, _ = make_sources(config)
         for i in range(3 * plan.grad_accum_steps):
             step, micro = divmod(i, plan.grad_accum_steps)
-            batch = load_micro_batch(source, step, micro, plan, 0, setup.batch_sharding)
+            first = step * plan.global_batch_size
+            batch = load_micro_batch(source, first, micro, plan, 0, setup.batch_sharding)
             state, metrics = setup.step(state, batch)
             jax.block_until_ready(metrics)
     tree = state.params if params_only else state

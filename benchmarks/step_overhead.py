@@ -55,7 +55,7 @@ def lm_config(per_device: int, accum: int, steps: int):
             f"train.steps={steps}",
             f"train.log_every={steps}",
             "train.eval_every=0",
-            "train.eval_batches=1",
+            "train.eval_examples=32",
             "optimizer.grad_clip_norm=0",
             "data.max_bytes=1000000",
         ],
@@ -126,7 +126,7 @@ def handwritten_step_time(config, steps: int) -> tuple[float, float]:
     init_loss = float(loss_fn(params, first))
     times, pending, last = [], None, None
     for i in range(steps):
-        batch = load_micro_batch(source, i, 0, plan, 0, sharding)  # same data work as jaxkit
+        batch = load_micro_batch(source, i * plan.global_batch_size, 0, plan, 0, sharding)
         params, opt_state, loss = step(params, opt_state, batch)
         if pending is not None:
             float(pending)  # stay one step ahead, as jaxkit does (CPU collectives need it)

@@ -1,15 +1,28 @@
 """Checkpoints that lose nothing, with orbax-checkpoint.
 
-A checkpoint is keyed by the micro-step count, so a save between optimizer steps (on
-SIGTERM) is as valid as one at a boundary. It holds the whole train state (params, the
+A checkpoint is keyed by optimizer steps done: `checkpoints/step_N/`. The key only grows,
+whatever the device count or accumulation of the run that wrote it, so the newest
+checkpoint is always the furthest the run got. It holds the whole train state (params, the
 MultiSteps accumulator and counters, the inner optimizer state) plus a JSON record of the
-config, the batch plan and the host-side loop state. The data position is derived from the
-step, so no iterator state and no topology is saved; the only randomness is the config's
-seed (model init and data order), which the saved config carries.
+config, the batch plan and the host-side loop state, including the data position (examples
+consumed) and, for a save between optimizer steps (on SIGTERM), the micro-steps of the next
+step already in the accumulator. The only randomness is the config's seed (model init and
+data order), which the saved config carries; no iterator state and no topology is saved.
+
+A mid-step checkpoint also holds the state of the last optimizer-step boundary: MultiSteps
+changes params and the inner optimizer state only at a step's last micro-batch, so the
+boundary state is the saved one with the accumulator emptied. A resume that cannot continue
+the accumulation (another K, another micro-batch size, fused mode) restarts that step from
+its first micro-batch, which is exact.
 
 Saves are asynchronous; orbax writes each into a temporary directory and renames it when
 complete, so a crash or `kill -9` at any moment leaves either a whole checkpoint or a
 temporary one that is ignored and cleaned up, never loaded.
+
+Workdirs written before this numbering keyed checkpoints by micro-step (`checkpoints/N/`,
+no prefix). They are still read: when there is no `step_N` checkpoint, the most advanced
+of them (by the optimizer step in its record, not by its number) is resumed, and the run
+saves `step_N` checkpoints from there on, leaving the old directories untouched.
 """
 
 from __future__ import annotations
@@ -21,20 +34,29 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxkit.config import flatten
+from jaxkit.data import Position
 from jaxkit.workdir import absolute, missing_gcs_support
+
+# checkpoints/step_N: N optimizer steps done. Older workdirs hold checkpoints/M, M micro-steps.
+STEP_PREFIX = "step"
+# Written into every checkpoint's record; a record without it comes from the micro-step
+# numbering.
+FORMAT = 2
 
 # Config keys that may differ between a run and its resumption: where it runs, how the batch
 # is split (the global batch is checked on its own), and what is logged or saved.
+# train.steps is checked on its own too: it may only grow, when asked (--allow-longer).
 RESUMABLE_KEYS = (
     "name",
     "mesh.",
     "batch.",
+    "train.steps",
     "train.log_every",
-    "train.eval_every",
-    "train.eval_batches",
+    "train.eval_",  # eval_every, eval_examples (and the eval_batches of older runs)
     "train.profile_steps",
     "train.max_nonfinite_in_row",
     "train.accumulation",  # both modes keep MultiSteps' state layout
@@ -48,9 +70,10 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass
 class Restored:
-    micro_step: int  # micro-batches consumed when it was saved
+    position: Position  # where the run continues
     state: Any  # the TrainState, placed with the target shardings
-    meta: dict  # {"config", "plan", "loop"}: as saved
+    meta: dict  # {"config", "plan", "loop"}: as saved, loop["step"/"micro"/"examples_seen"]
+    redone_micro_steps: int = 0  # a saved half-step that this plan cannot continue
 
 
 def _names(path: tuple) -> tuple[str, ...]:
@@ -70,6 +93,37 @@ def config_conflicts(saved: dict, current: dict) -> list[str]:
     return lines
 
 
+def position_of(meta: dict) -> Position:
+    loop = meta["loop"]
+    return Position(
+        step=int(loop["step"]), examples=int(loop["examples_seen"]), micro=int(loop["micro"])
+    )
+
+
+def _from_micro_step_numbering(micro_step: int, meta: dict) -> dict:
+    """The record of a checkpoint saved under the micro-step numbering, in today's terms.
+
+    That code read optimizer step i's rows at i × (its global batch), so that is where the
+    data position of the saved step lies.
+    """
+    plan = meta["plan"]
+    step, micro = divmod(micro_step, plan["grad_accum_steps"])
+    loop = dict(meta["loop"], step=step, micro=micro)
+    loop["examples_seen"] = step * plan["global_batch_size"]
+    return dict(meta, loop=loop, format=FORMAT, legacy_name=str(micro_step))
+
+
+def _manager(directory: Any, **options: Any) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        directory,
+        options=ocp.CheckpointManagerOptions(**options),
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        },
+    )
+
+
 class Checkpointer:
     """Saves and restores train states under WORKDIR/checkpoints/, a local path or a URL.
 
@@ -81,36 +135,42 @@ class Checkpointer:
         missing = missing_gcs_support(directory)
         if missing:
             raise CheckpointError(missing)
+        if keep < 1:  # orbax would keep nothing, and a rerun would start over
+            raise CheckpointError(f"checkpoint.keep={keep} must be at least 1")
         # An epath.Path: orbax picks its GCS code paths from a "gs://" prefix, which a
         # pathlib.Path would have turned into a local "gs:/" directory.
         self.directory = absolute(directory)
         self.warn = warn
-        self.manager = ocp.CheckpointManager(
+        self.manager = _manager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
-                create=True,
-                cleanup_tmp_directories=True,  # what a killed save left behind
-                enable_async_checkpointing=True,
-            ),
-            item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler(),
-            },
+            max_to_keep=keep,
+            create=True,
+            cleanup_tmp_directories=True,  # what a killed save left behind
+            enable_async_checkpointing=True,
+            step_prefix=STEP_PREFIX,
         )
         self.blocking_s = 0.0  # time the training loop spent inside save()
         self.saves = 0
 
     def steps(self) -> list[int]:
+        """Optimizer steps with a checkpoint."""
         return sorted(self.manager.all_steps())
 
-    def save(self, micro_step: int, state: Any, meta: dict, *, wait: bool = False) -> None:
-        """Starts an async save of `state` at `micro_step`; `wait` blocks until it is on disk."""
+    def save(self, position: Position, state: Any, meta: dict, *, wait: bool = False) -> bool:
+        """Starts an async save at `position`; `wait` blocks until it is on disk.
+
+        Returns False, saving nothing, when a checkpoint of that optimizer step is there
+        already: a stop in the middle of the step after it. That checkpoint is at or before
+        `position`, and resuming from it redoes the micro-steps since, exactly.
+        """
+        if position.step in self.manager.all_steps():
+            return False
         start = time.perf_counter()
+        record = dict(meta, format=FORMAT)
         self.manager.save(
-            micro_step,
+            position.step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)
             ),
             force=True,
         )
@@ -118,53 +178,70 @@ class Checkpointer:
         self.saves += 1
         if wait:
             self.manager.wait_until_finished()
+        return True
 
-    def read_meta(self, micro_step: int) -> dict:
-        restored = self.manager.restore(
-            micro_step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-        )
-        return dict(restored.meta)
+    def read_meta(self, step: int) -> dict:
+        return _read_meta(self.manager, step)
 
-    def restore(self, micro_step: int, abstract_state: Any) -> Any:
-        """The state saved at `micro_step`, placed as `abstract_state`'s shardings say."""
-        restored = self.manager.restore(
-            micro_step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)),
-        )
-        return restored.state
+    def restore(self, step: int, abstract_state: Any) -> Any:
+        """The state saved at optimizer step `step`, placed as `abstract_state` says."""
+        return _restore(self.manager, step, abstract_state)
+
+    def _micro_step_numbered(self) -> ocp.CheckpointManager | None:
+        """The checkpoints of a workdir written under the micro-step numbering, if any."""
+        manager = _manager(self.directory, create=False)
+        return manager if manager.all_steps() else None
 
     def restore_latest(
-        self, abstract_state: Any, check: Callable[[int, dict], None]
-    ) -> Restored | None:
-        """The newest checkpoint that reads back whole, or None when there is none.
+        self, abstract_state: Any, check: Callable[[dict], None]
+    ) -> tuple[Any, dict] | None:
+        """(state, record) of the newest checkpoint that reads back whole, or None.
 
-        `check(micro_step, meta)` runs before anything is restored and may refuse (raise);
-        a checkpoint whose arrays do not fit `abstract_state` is refused too. Only a
+        `check(record)` runs before anything is restored and may refuse (raise); a
+        checkpoint whose arrays do not fit `abstract_state` is refused too. Only a
         checkpoint that fails to read is set aside (with a warning naming it) for the one
         before it.
         """
-        for micro_step in reversed(self.steps()):
+        candidates = [(self.manager, step, None) for step in reversed(self.steps())]
+        old = None if candidates else self._micro_step_numbered()
+        if old is not None:
+            candidates = self._by_progress(old)
+        for manager, step, legacy_meta in candidates:
+            name = self._name(manager, step)
             try:
-                meta = self.read_meta(micro_step)
+                meta = legacy_meta or _read_meta(manager, step)
+                saved = manager.item_metadata(step)["state"]
             except Exception as err:  # whatever fails to read is unusable
-                self._set_aside(micro_step, err)
+                self._set_aside(manager, step, err)
                 continue
-            check(micro_step, meta)
+            check(meta)
+            self._check_shapes(name, saved, abstract_state)
             try:
-                saved = self.manager.item_metadata(micro_step)["state"]
-            except Exception as err:  # unreadable array metadata
-                self._set_aside(micro_step, err)
-                continue
-            self._check_shapes(micro_step, saved, abstract_state)
-            try:
-                state = self.restore(micro_step, abstract_state)
+                state = _restore(manager, step, abstract_state)
             except Exception as err:  # a torn or corrupted checkpoint
-                self._set_aside(micro_step, err)
+                self._set_aside(manager, step, err)
                 continue
-            return Restored(micro_step=micro_step, state=state, meta=meta)
+            return state, meta
         return None
 
-    def _check_shapes(self, micro_step: int, saved: Any, abstract_state: Any) -> None:
+    def _by_progress(self, old: ocp.CheckpointManager) -> list:
+        """Micro-step-numbered checkpoints, most advanced first by their own records: a
+        resume on fewer accumulation steps gave later saves smaller numbers."""
+        found = []
+        for micro_step in old.all_steps():
+            try:
+                meta = _from_micro_step_numbering(micro_step, _read_meta(old, micro_step))
+            except Exception as err:
+                self._set_aside(old, micro_step, err)
+                continue
+            found.append((position_of(meta), micro_step, meta))
+        found.sort(key=lambda f: (f[0].step, f[0].micro), reverse=True)
+        return [(old, micro_step, meta) for _, micro_step, meta in found]
+
+    def _name(self, manager: ocp.CheckpointManager, step: int) -> str:
+        return f"step_{step}" if manager is self.manager else str(step)
+
+    def _check_shapes(self, name: str, saved: Any, abstract_state: Any) -> None:
         # Orbax stores every container as a dict with string keys: compare by key names.
         saved_leaves = {
             _names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
@@ -182,27 +259,39 @@ class Checkpointer:
                 )
         if problems or len(saved_leaves) != len(wanted):
             raise CheckpointError(
-                f"the checkpoint at micro-step {micro_step} in {self.directory} was written by "
-                "a different model:\n" + "\n".join(problems[:10] or ["  (different tree)"])
+                f"the checkpoint {name} in {self.directory} was written by a different "
+                "model:\n" + "\n".join(problems[:10] or ["  (different tree)"])
             )
 
-    def _set_aside(self, micro_step: int, err: Exception) -> None:
-        step_dir = self.directory / str(micro_step)
-        aside = self.directory / f"{micro_step}.unreadable"
+    def _set_aside(self, manager: ocp.CheckpointManager, step: int, err: Exception) -> None:
+        name = self._name(manager, step)
+        aside = self.directory / f"{name}.unreadable"
         self.warn(
-            f"warning: checkpoint at micro-step {micro_step} is unreadable "
+            f"warning: checkpoint {name} is unreadable "
             f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); moved to {aside.name}, "
             "falling back to the one before it"
         )
         if jax.process_index() == 0:
-            step_dir.rename(aside)
-        self.manager.reload()
+            (self.directory / name).rename(aside)
+        manager.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+    restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(restored.meta)
+
+
+def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> Any:
+    restored = manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+    )
+    return restored.state
 
 
 def abstract_state(setup: Any) -> Any:
@@ -244,26 +333,57 @@ def _short(value: object) -> str:
     return str(value)
 
 
+def _check_steps(saved: int, done: int, wanted: int, allow_longer: bool) -> None:
+    """train.steps may change on a workdir only upwards, and only when asked."""
+    if wanted == saved:
+        return
+    if wanted < saved:
+        raise CheckpointError(
+            f"train.steps: {saved} (saved) -> {wanted}: a run cannot be shortened (its "
+            f"learning-rate schedule is laid over {saved} steps, {done} done). Use "
+            f"train.steps={saved}, or a new --workdir."
+        )
+    if not allow_longer:
+        finished = "finished " if done >= saved else ""
+        raise CheckpointError(
+            f"train.steps: {saved} (saved) -> {wanted}: this workdir holds a {finished}run "
+            f"of {saved} steps ({done} done). Pass --allow-longer to extend it to {wanted} "
+            "(the learning-rate schedule is then re-laid over the new length from the step "
+            f"it resumes at), or use train.steps={saved}."
+        )
+
+
+def can_continue_accumulation(saved_plan: dict, plan: Any, accumulation: str) -> bool:
+    """Whether a half-filled accumulator from `saved_plan` can take this plan's micro-batches:
+    the same rows per micro-step and the same K, and one micro-batch per call."""
+    return (
+        accumulation == "multisteps"
+        and saved_plan["grad_accum_steps"] == plan.grad_accum_steps
+        and saved_plan["micro_batch_size"] == plan.micro_batch_size
+    )
+
+
 def resume(
     checkpointer: Checkpointer,
     setup: Any,
     config: Any,
     plan: Any,
-    allow_batch_change: bool,
-    echo: Callable[[str], None],
+    *,
+    allow_batch_change: bool = False,
+    allow_longer: bool = False,
+    echo: Callable[[str], None] = print,
 ) -> Restored | None:
     """Restores the latest checkpoint onto this run's mesh and plan, or None to start fresh.
 
     The global batch is what must not change silently: the config's free batch field is
     re-derived for the new mesh, so grad_accum_steps (or per_device_batch_size) absorbs a
-    change of device count. A changed global batch is refused unless `allow_batch_change`.
+    change of device count. A changed global batch is refused unless `allow_batch_change`,
+    a changed train.steps unless it grows and `allow_longer`.
     """
-    if not checkpointer.steps():
-        return None
     current = config.to_dict()
     new_plan = plan.to_json()
 
-    def check(micro_step: int, meta: dict) -> None:
+    def check(meta: dict) -> None:
         conflicts = config_conflicts(meta["config"], current)
         if conflicts:
             raise CheckpointError(
@@ -272,6 +392,8 @@ def resume(
                 + "\n".join(conflicts)
                 + "\nUse the saved values, or a new --workdir."
             )
+        saved_steps = int(meta["config"]["train"]["steps"])
+        _check_steps(saved_steps, position_of(meta).step, config.train.steps, allow_longer)
         old = meta["plan"]
         if old["global_batch_size"] != plan.global_batch_size and not allow_batch_change:
             raise CheckpointError(
@@ -282,32 +404,20 @@ def resume(
                 "(null) so it is re-derived, or pass --allow-batch-change to accept it (the "
                 f"learning rate then follows optimizer.lr_scaling={plan.lr_scaling!r})."
             )
-        old_k = old["grad_accum_steps"]
-        if micro_step % old_k and config.train.accumulation == "fused":
-            raise CheckpointError(
-                f"the latest checkpoint was saved in the middle of optimizer step "
-                f"{micro_step // old_k} (micro-step {micro_step % old_k} of {old_k}); fused "
-                "accumulation starts from whole steps. Resume once with "
-                "train.accumulation=multisteps to finish that step."
-            )
-        if micro_step % old_k and old_k != plan.grad_accum_steps:
-            raise CheckpointError(
-                f"the latest checkpoint was saved in the middle of optimizer step "
-                f"{micro_step // old_k} (micro-step {micro_step % old_k} of {old_k}), and this "
-                f"plan accumulates {plan.grad_accum_steps} micro-steps: a half-filled "
-                "accumulator cannot be re-split. Resume once on the saved topology "
-                f"(grad_accum_steps={old_k}) to finish that step, then move."
-            )
 
-    restored = checkpointer.restore_latest(abstract_state(setup), check)
-    if restored is None:
+    found = checkpointer.restore_latest(abstract_state(setup), check)
+    if found is None:
         echo("warning: no readable checkpoint left; starting from scratch")
         return None
-    old = restored.meta["plan"]
-    step, micro = divmod(restored.micro_step, old["grad_accum_steps"])
+    state, meta = found
+    old, position = meta["plan"], position_of(meta)
+    where = f"optimizer step {position.step}"
+    if position.micro:
+        where += f", {position.micro} of {old['grad_accum_steps']} micro-steps into the next"
+    source = meta.get("legacy_name")
     echo(
-        f"resuming from {checkpointer.directory} at optimizer step {step}"
-        + (f", micro-step {micro} of {old['grad_accum_steps']}" if micro else "")
+        f"resuming from {checkpointer.directory} at {where}"
+        + (f" (checkpoint {source}, numbered by micro-step by an earlier jaxkit)" if source else "")
     )
     if any(
         old[k] != new_plan[k]
@@ -318,13 +428,38 @@ def resume(
         echo(
             f"global batch {old['global_batch_size']} -> {plan.global_batch_size} "
             f"(--allow-batch-change): learning rate {old['learning_rate']:.6g} -> "
-            f"{plan.learning_rate:.6g} by lr_scaling={plan.lr_scaling}"
+            f"{plan.learning_rate:.6g} by lr_scaling={plan.lr_scaling}; the data continues "
+            f"from example {position.examples:,}"
         )
-    micro_step = step * plan.grad_accum_steps + micro  # re-based when K changed at a boundary
-    state = restored.state
-    if micro_step != restored.micro_step:
-        counter = jax.device_put(
-            jax.numpy.asarray(micro_step, jax.numpy.int32), setup.state_shardings.micro_step
+    redone = 0
+    if position.micro and not can_continue_accumulation(old, plan, setup.accumulation):
+        redone = position.micro
+        echo(
+            f"the checkpoint holds {redone} of {old['grad_accum_steps']} micro-batches "
+            f"({old['micro_batch_size']} rows each) of optimizer step {position.step + 1}, "
+            f"which this plan ({plan.grad_accum_steps} micro-batches of "
+            f"{plan.micro_batch_size} rows"
+            + (", fused" if setup.accumulation == "fused" else "")
+            + ") cannot continue: that step starts again from its first micro-batch "
+            "(exact: params change only at a step's last micro-batch)"
         )
-        state = state.replace(micro_step=counter)
-    return Restored(micro_step=micro_step, state=state, meta=restored.meta)
+        state = empty_accumulator(state)
+        position = dataclasses.replace(position, micro=0)
+    # The micro-step counter counts under this run's plan.
+    counter = jax.device_put(
+        jnp.asarray(position.step * plan.grad_accum_steps + position.micro, jnp.int32),
+        setup.state_shardings.micro_step,
+    )
+    state = state.replace(micro_step=counter)
+    return Restored(position=position, state=state, meta=meta, redone_micro_steps=redone)
+
+
+def empty_accumulator(state: Any) -> Any:
+    """The state at the optimizer-step boundary before a mid-step `state`: MultiSteps'
+    accumulator emptied; params and inner optimizer state change only at a step's end."""
+    ms = state.opt_state
+    opt_state = ms._replace(
+        mini_step=jnp.zeros_like(ms.mini_step),
+        acc_grads=jax.tree.map(jnp.zeros_like, ms.acc_grads),
+    )
+    return state.replace(opt_state=opt_state)

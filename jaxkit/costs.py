@@ -11,8 +11,12 @@ tells its per-device memory and FLOPs:
 `cost_analysis` describes the partitioned per-device program, so both figures are per
 device. With MultiSteps the step is called K times per optimizer step. The fused step is one
 call, but XLA's cost analysis counts a loop body once, not once per trip; so it too counts
-as K calls. Either way the optimizer update, which runs once per step, is in every counted
-call, so StepCost.flops_per_step takes K − 1 of them back out.
+as K calls. Either way every counted call includes one optimizer update, so
+StepCost.flops_per_step takes K − 1 of them back out: it is the work an optimizer step
+needs, K micro-batch gradients and one update, which is what the fused step executes.
+MultiSteps (optax 0.2.8) computes the inner update on every call and masks its result, so
+a MultiSteps device executes K − 1 updates more than this counts; they are wasted work, not
+part of the step, and left out of FLOP/s and MFU alike.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import ml_collections
 import optax
 
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import BatchPlan, plan_from_config
+from jaxkit.batch_plan import BatchPlan, divisors, plan_from_config
 from jaxkit.checkpoint import abstract_state
 from jaxkit.train_step import Setup, build
 
@@ -95,11 +99,11 @@ class StepCost:
 
     @property
     def flops_per_step(self) -> float:
-        """FLOPs one device executes per optimizer step.
+        """FLOPs of one optimizer step per device: K micro-batch gradients, one update.
 
-        Each of the K counted calls includes the optimizer update (MultiSteps' lax.cond
-        counts its update branch whether or not it runs; the fused scan is counted once
-        around one update), which runs once: so K − 1 updates come off.
+        Each of the K counted calls includes the optimizer update (MultiSteps computes it on
+        every call and masks it; the fused scan is counted once around one update), which
+        the step needs once: so K − 1 updates come off.
         """
         k = self.calls_per_step
         return k * self.flops_per_call - (k - 1) * self.update_flops
@@ -230,10 +234,6 @@ class Split:
         return (p.data_parallel_size, p.per_device_batch_size, p.grad_accum_steps)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def enumerate_splits(
     config: ml_collections.ConfigDict, device_counts: Sequence[int]
 ) -> list[Split]:
@@ -256,7 +256,7 @@ def enumerate_splits(
         dp = shape["data"] * shape["fsdp"]
         if g % dp:
             continue
-        for b in reversed(_divisors(g // dp)):
+        for b in reversed(divisors(g // dp)):
             plan = plan_from_config(split_config(config, b, g // (dp * b)), shape)
             splits.append(Split(devices=n, plan=plan))
     return splits

@@ -1,10 +1,13 @@
 """Random-access data sources and the order that makes training topology-invariant.
 
-Global batch i is rows perm_e[j·G : (j+1)·G] of a seeded permutation for epoch e
-(i = e·batches_per_epoch + j). Micro-step m of that batch is its rows [m·M, (m+1)·M),
+The rows of the training set form one stream: seeded permutations of every row, epoch after
+epoch, end to end (example e is row perm_{e // N}[e % N]). The data position is the number
+of examples consumed, so an optimizer step of G rows that starts at position E reads stream
+examples [E, E + G), whatever G was before it: a change of global batch neither skips nor
+repeats a row. Micro-step m of that step is stream examples [E + m·M, E + (m+1)·M),
 M = data_parallel_size × per_device_batch_size, and each process reads only the rows its
-devices hold. The order depends on the seed and G alone, so any split of the same global
-batch sees the same examples at every optimizer step.
+devices hold. The order depends on the seed and the position alone, so any split of the
+same global batch sees the same examples at every optimizer step.
 """
 
 from __future__ import annotations
@@ -164,25 +167,45 @@ def _epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-def global_batch_rows(step: int, global_batch_size: int, num_rows: int, seed: int) -> np.ndarray:
-    """Source rows of optimizer step `step`'s global batch; a partial last batch is dropped."""
-    per_epoch = num_rows // global_batch_size
-    if per_epoch == 0:
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a run stands: what a checkpoint restores and the next step reads from."""
+
+    step: int = 0  # optimizer steps done
+    examples: int = 0  # examples those steps consumed: where the next step starts reading
+    micro: int = 0  # micro-steps of the next optimizer step already done (mid-step saves)
+
+
+def stream_rows(first_example: int, count: int, num_rows: int, seed: int) -> np.ndarray:
+    """Source rows of stream examples [first_example, first_example + count)."""
+    epochs, offsets = np.divmod(np.arange(first_example, first_example + count), num_rows)
+    rows = np.empty(count, dtype=np.int64)
+    for epoch in np.unique(epochs):  # one or two epochs for any batch that fits the data
+        here = epochs == epoch
+        rows[here] = _epoch_permutation(num_rows, seed, int(epoch))[offsets[here]]
+    return rows
+
+
+def check_batch_fits(global_batch_size: int, num_rows: int) -> None:
+    if global_batch_size > num_rows:
         raise DataError(
             f"global_batch_size={global_batch_size} exceeds the {num_rows} training rows"
         )
-    epoch, j = divmod(step, per_epoch)
-    perm = _epoch_permutation(num_rows, seed, epoch)
-    return perm[j * global_batch_size : (j + 1) * global_batch_size]
+
+
+def global_batch_rows(step: int, global_batch_size: int, num_rows: int, seed: int) -> np.ndarray:
+    """Source rows of optimizer step `step` of a run whose global batch never changed."""
+    check_batch_fits(global_batch_size, num_rows)
+    return stream_rows(step * global_batch_size, global_batch_size, num_rows, seed)
 
 
 def micro_batch_rows(
-    step: int, micro: int, plan: BatchPlan, num_rows: int, seed: int
+    first_example: int, micro: int, plan: BatchPlan, num_rows: int, seed: int
 ) -> np.ndarray:
-    """Source rows of micro-step `micro` (0 ≤ micro < K) of optimizer step `step`."""
-    rows = global_batch_rows(step, plan.global_batch_size, num_rows, seed)
+    """Source rows of micro-step `micro` (0 ≤ micro < K) of the step starting at
+    `first_example`."""
     m = plan.micro_batch_size
-    return rows[micro * m : (micro + 1) * m]
+    return stream_rows(first_example + micro * m, m, num_rows, seed)
 
 
 def process_row_range(sharding: jax.sharding.Sharding, num_rows: int) -> slice:
@@ -214,28 +237,34 @@ def to_global_array(
 
 def load_micro_batch(
     source: Source,
-    step: int,
+    first_example: int,
     micro: int,
     plan: BatchPlan,
     seed: int,
     sharding: jax.sharding.Sharding,
 ) -> dict[str, jax.Array]:
-    """Micro-step `micro` of optimizer step `step`, sharded over the batch axes."""
-    rows = micro_batch_rows(step, micro, plan, len(source), seed)
+    """Micro-step `micro` of the optimizer step starting at stream example `first_example`,
+    sharded over the batch axes."""
+    rows = micro_batch_rows(first_example, micro, plan, len(source), seed)
     local_rows = rows[process_row_range(sharding, len(rows))]
     return to_global_array(source[local_rows], sharding, len(rows))
 
 
 def load_global_batch(
-    source: Source, step: int, plan: BatchPlan, seed: int, sharding: jax.sharding.NamedSharding
+    source: Source,
+    first_example: int,
+    plan: BatchPlan,
+    seed: int,
+    sharding: jax.sharding.NamedSharding,
 ) -> dict[str, jax.Array]:
-    """Optimizer step `step`'s whole batch as (K, micro_batch, ...): micro-step m is row m.
+    """The whole optimizer step starting at `first_example`, as (K, micro_batch, ...):
+    micro-step m is row m.
 
     `sharding` splits the second axis over the batch axes, so each device holds its slice
     of every micro-batch, exactly the rows load_micro_batch would give it.
     """
     k, m = plan.grad_accum_steps, plan.micro_batch_size
-    rows_KxM = global_batch_rows(step, plan.global_batch_size, len(source), seed).reshape(k, m)
+    rows_KxM = stream_rows(first_example, k * m, len(source), seed).reshape(k, m)
     rows_sharding = jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
     local = process_row_range(rows_sharding, m)
     local_rows = rows_KxM[:, local]
@@ -247,29 +276,30 @@ def load_global_batch(
     }
 
 
-def _eval_batch_count(source: Source, plan: BatchPlan, count: int) -> int:
-    m = plan.micro_batch_size
-    available = len(source) // m
-    if available == 0:
-        raise DataError(
-            f"the held-out split has {len(source)} rows, fewer than one micro-batch ({m}); "
-            "raise data.eval_fraction or the data size, or lower the micro-batch"
-        )
-    return available if count <= 0 else min(count, available)
+def eval_row_count(source: Source, eval_examples: int) -> int:
+    """Held-out rows an eval reads: the first `eval_examples` (0 = every row)."""
+    return len(source) if eval_examples <= 0 else min(eval_examples, len(source))
 
 
-def eval_micro_batches(
-    source: Source, plan: BatchPlan, count: int, sharding: jax.sharding.Sharding
+def eval_batches(
+    source: Source, plan: BatchPlan, eval_examples: int, sharding: jax.sharding.Sharding
 ) -> Iterator[dict[str, jax.Array]]:
-    """The first `count` micro-batch-sized blocks of held-out rows; 0 = as many as fit."""
-    m = plan.micro_batch_size
+    """The first `eval_examples` held-out rows (0 = all), a micro-batch at a time.
+
+    The last batch is padded to a whole micro-batch with weight-0 copies of row 0, so every
+    row is evaluated and each counts once: the same rows for every split, device count and
+    process count. Each batch carries `weights` (1 for a real row, 0 for padding).
+    """
+    n, m = eval_row_count(source, eval_examples), plan.micro_batch_size
     local = process_row_range(sharding, m)
-    for i in range(_eval_batch_count(source, plan, count)):
-        rows = np.arange(i * m, (i + 1) * m)[local]
-        yield to_global_array(source[rows], sharding, m)
+    for start in range(0, n, m):
+        rows = np.arange(start, start + m)
+        real = rows < n
+        batch = source[np.where(real, rows, 0)[local]]
+        batch["weights"] = real[local].astype(np.float32)
+        yield to_global_array(batch, sharding, m)
 
 
-def check_sources(train_source: Source, eval_source: Source, plan: BatchPlan) -> None:
-    """Fails before training, not at the first eval, when a split cannot serve the plan."""
-    global_batch_rows(0, plan.global_batch_size, len(train_source), seed=0)
-    _eval_batch_count(eval_source, plan, 1)
+def check_sources(train_source: Source, plan: BatchPlan) -> None:
+    """Fails before training, not at the first step, when the data cannot serve the plan."""
+    check_batch_fits(plan.global_batch_size, len(train_source))

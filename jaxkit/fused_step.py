@@ -7,9 +7,14 @@ local scan, and a single `pmean` crosses devices once per optimizer step. The lo
 model and the inner optimizer are the ones the MultiSteps step uses, and the state keeps
 MultiSteps' layout, so checkpoints move between the modes at optimizer-step boundaries.
 
-A step in which any micro-batch is non-finite is skipped as a whole (params and optimizer
-state unchanged): the devices only learn of it after the local sums, when a micro-batch
-can no longer be taken out.
+A step in which any micro-batch is non-finite is skipped as a whole: the devices only learn
+of it after the local sums, when a micro-batch can no longer be taken out. Params and the
+optimizer's moments stay as they were; its step counts advance with `gradient_step`, so
+the learning-rate schedule and the optimizer step stay one count, as in MultiSteps mode
+(where a bad micro-batch adds a zero gradient and the step is applied).
+
+Params enter the step whole (`in_specs=P()`), so this mode runs only on meshes whose
+params are replicated: fsdp and tensor sizes of 1 (see train_step.build).
 """
 
 from __future__ import annotations
@@ -79,7 +84,16 @@ def fused_train_step(
     updates, inner = tx.inner_opt.update(grads, ms.inner_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     ok = bad == 0
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+
+    def keep(new: Any, old: Any) -> Any:
+        """`new` for a good step; for a skipped one `old`, but for the step counts (the
+        only integer leaves of the optimizer state), which advance as gradient_step does."""
+
+        def pick(n: jax.Array, o: jax.Array) -> jax.Array:
+            return n if jnp.issubdtype(n.dtype, jnp.integer) else jnp.where(ok, n, o)
+
+        return jax.tree.map(pick, new, old)
+
     opt_state = optax.MultiStepsState(
         mini_step=ms.mini_step,
         gradient_step=ms.gradient_step + 1,  # a skipped step still counts, as the data moved on
@@ -92,11 +106,11 @@ def fused_train_step(
         opt_state=opt_state,
         micro_step=state.micro_step + accum_steps,
     )
-    nonfinite = jnp.where(ok, 0, accum_steps).astype(jnp.int32)
     metrics = {
+        # Micro-batches that did not reach the params: all K of a skipped step.
+        "nonfinite": jnp.where(ok, 0, accum_steps).astype(jnp.int32),
         "loss": loss,
-        "grad_norm": inner[0].grad_norm,
-        "nonfinite": nonfinite,
+        "grad_norm": inner[0].grad_norm,  # not finite for a skipped step; not logged then
         # Mean |gradient|² of one device's share of a micro-batch (per_device rows).
         "small_grad_sq": small_sq,
     }

@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 import tqdm
 from jax.experimental.multihost_utils import reached_preemption_sync_point
 
@@ -29,10 +28,10 @@ from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit import peak as peak_lib
 from jaxkit.batch_plan import BatchPlan, plan_from_config
-from jaxkit.checkpoint import Checkpointer, resume
-from jaxkit.config import ConfigError, config_to_json
+from jaxkit.checkpoint import Checkpointer, Restored, resume
+from jaxkit.config import ConfigError, config_to_json, parse_profile_steps, validate
 from jaxkit.distributed import check_agreement
-from jaxkit.metrics import RunDir
+from jaxkit.metrics import RunDir, read_metrics
 from jaxkit.records import (
     StepTracker,
     eval_record,
@@ -40,8 +39,14 @@ from jaxkit.records import (
     format_summary,
     summarize,
 )
-from jaxkit.train_step import Setup, TrainState, build
-from jaxkit.workdir import as_path, is_local, profiler_can_write
+from jaxkit.train_step import (
+    Setup,
+    TrainState,
+    build,
+    check_on_mesh,
+    learning_rate_schedule,
+)
+from jaxkit.workdir import as_path, is_local, profiler_can_write, write_text_atomic
 
 
 @dataclasses.dataclass
@@ -54,37 +59,28 @@ class RunResult:
 
 
 def evaluate(
-    setup: Setup, params: Any, source: data_lib.Source, plan: BatchPlan, num_batches: int
+    setup: Setup, params: Any, source: data_lib.Source, plan: BatchPlan, eval_examples: int
 ) -> dict[str, float]:
-    """Mean loss and accuracy over `num_batches` held-out micro-batches (0 = all)."""
-    fetched, pending = [], None
-    for batch in data_lib.eval_micro_batches(source, plan, num_batches, setup.batch_sharding):
+    """Mean loss and accuracy over the first `eval_examples` held-out rows (0 = all), each
+    row counted once whatever the split: see data.eval_batches."""
+    sums = {"loss_sum": 0.0, "accuracy_sum": 0.0, "rows": 0.0}  # float64 on the host
+
+    def take(result: Any) -> None:
+        for key, value in jax.device_get(result).items():
+            sums[key] += float(value)
+
+    pending = None
+    for batch in data_lib.eval_batches(source, plan, eval_examples, setup.batch_sharding):
         result = setup.eval_step(params, batch)
         if pending is not None:  # stay one call ahead, as the train loop does
-            fetched.append(jax.device_get(pending))
+            take(pending)
         pending = result
-    fetched.append(jax.device_get(pending))
+    take(pending)
     return {
-        "eval_loss": float(np.mean([r["loss"] for r in fetched])),
-        "eval_accuracy": float(np.mean([r["accuracy"] for r in fetched])),
+        "eval_loss": sums["loss_sum"] / sums["rows"],
+        "eval_accuracy": sums["accuracy_sum"] / sums["rows"],
+        "eval_examples": int(sums["rows"]),
     }
-
-
-def parse_profile_steps(text: str, steps: int) -> tuple[int, int] | None:
-    """`train.profile_steps="START:END"`: optimizer steps START..END-1 (0-based); "" = off."""
-    if not text:
-        return None
-    try:
-        start, end = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise ConfigError(
-            f"train.profile_steps={text!r} is not START:END (e.g. 10:12 traces steps 10 and 11)"
-        ) from None
-    if not 0 <= start < end <= steps:
-        raise ConfigError(
-            f"train.profile_steps={text!r} needs 0 <= START < END <= train.steps={steps}"
-        )
-    return start, end
 
 
 def train(
@@ -95,6 +91,7 @@ def train(
     progress: bool = True,
     echo: Callable[[str], None] = print,
     allow_batch_change: bool = False,
+    allow_longer: bool = False,
     stop_after_micro_steps: int | None = None,
 ) -> RunResult:
     """Trains `config` on a mesh of `devices` (default: all), writing to `workdir`.
@@ -104,8 +101,9 @@ def train(
     another device count. `stop_after_micro_steps` stops as a preemption would, after that
     many micro-steps in all (for tests and notebooks).
     """
+    validate(config)  # every value, before any work (the CLI has checked them already)
     t, seed = config.train, config.train.seed
-    profile = parse_profile_steps(t.profile_steps, t.steps)  # fails before any work
+    profile = parse_profile_steps(t.profile_steps, t.steps)
     if profile and (workdir is None or not profiler_can_write(workdir)):
         raise ConfigError(
             "train.profile_steps writes to WORKDIR/profile/: give a workdir (a local path or gs://)"
@@ -113,13 +111,13 @@ def train(
     if jax.process_index() != 0:  # one voice: only process 0 prints and writes
         echo, progress = (lambda *args: None), False
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
+    check_on_mesh(config, mesh_lib.mesh_shape(mesh))
     plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
     train_source, eval_source = data_lib.make_sources(config)
-    data_lib.check_sources(train_source, eval_source, plan)
+    data_lib.check_sources(train_source, plan)
     setup = build(config, plan, mesh)
     check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
-    accum_steps = plan.grad_accum_steps
-    fused = setup.accumulation == "fused"
+    accum_steps, fused = plan.grad_accum_steps, setup.accumulation == "fused"
 
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())
@@ -135,42 +133,40 @@ def train(
         checkpointer = Checkpointer(
             as_path(workdir) / "checkpoints", config.checkpoint.keep, warn=echo
         )
-        restored = resume(checkpointer, setup, config, plan, allow_batch_change, echo)
-    start_micro_step = 0
+        restored = resume(
+            checkpointer,
+            setup,
+            config,
+            plan,
+            allow_batch_change=allow_batch_change,
+            allow_longer=allow_longer,
+            echo=echo,
+        )
+    position = data_lib.Position()
     if restored is not None:
-        state, start_micro_step = restored.state, restored.micro_step
-        tracker.load_loop_state(restored.meta["loop"])
+        state, position = restored.state, restored.position
+        tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
     else:
         state = setup.init(jax.random.key(seed))
-    start_step, start_micro = divmod(start_micro_step, accum_steps)
-    if start_step >= t.steps and workdir is not None:
-        echo(f"{workdir} holds a finished run of {t.steps} steps; nothing to do")
-        summary_file = as_path(workdir) / "summary.json"
-        summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-        return RunResult(plan=plan, state=state, records=[], summary=summary)
+    if position.step >= t.steps and workdir is not None:
+        if checkpointer:
+            checkpointer.close()
+        return _finished_run(config, plan, state, workdir, tracker, eval_source, echo)
 
     run_dir = None
     if workdir is not None and jax.process_index() == 0:
         # Whatever an earlier attempt logged past the step this run starts from goes.
-        run_dir = RunDir(workdir, resume_after_step=start_step)
+        run_dir = RunDir(workdir, resume_after_step=position.step)
         run_dir.write_json("config.json", config_to_json(config))
         run_dir.write_json("plan.json", plan.to_json())
         run_dir.write_text("plan", "\n".join("    " + line for line in plan.table().splitlines()))
         run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
+        if restored:
+            for event in resume_events(restored, config, plan):
+                run_dir.log(event)
+            # A run extended past its end (--allow-longer) is unfinished again.
+            (as_path(workdir) / "summary.json").unlink(missing_ok=True)
     records: list[dict] = []
-    if run_dir and restored and restored.meta["plan"] != plan.to_json():
-        old = restored.meta["plan"]
-        run_dir.log(  # the move, in the run's own history: plan and learning-rate policy
-            {
-                "event": "plan_change",
-                "step": start_step,
-                "micro_step": start_micro_step,
-                "from_plan": old,
-                "to_plan": plan.to_json(),
-                "lr_scaling": plan.lr_scaling,
-                "learning_rate": plan.learning_rate,
-            }
-        )
 
     def emit(record: dict) -> None:
         records.append(record)
@@ -178,20 +174,16 @@ def train(
             run_dir.log(record)
         (bar.write if progress else echo)(format_record(record))
 
-    def save(micro_steps_done: int, *, wait: bool = False) -> None:
+    def save(at: data_lib.Position, *, wait: bool = False) -> bool:
         if checkpointer is None:
-            return
-        meta = {
-            "config": config_to_json(config),
-            "plan": plan.to_json(),
-            "loop": tracker.loop_state(micro_steps_done // accum_steps),
-        }
-        checkpointer.save(micro_steps_done, state, meta, wait=wait)
+            return False
+        meta = {"config": config_to_json(config), "plan": plan.to_json()}
+        return checkpointer.save(at, state, dict(meta, loop=tracker.loop_state(at)), wait=wait)
 
     start = time.perf_counter()
     bar = tqdm.tqdm(
         total=t.steps,
-        initial=start_step,
+        initial=position.step,
         unit="step",
         disable=not progress,
         file=sys.stderr,
@@ -207,14 +199,15 @@ def train(
             pending = None
 
     profile_dir = as_path(workdir) / "profile" if workdir is not None else None
-    tracing, stop_signal = False, None
+    tracing, stop_signal, stopped_at, saved = False, None, position, False
+    examples = position.examples  # where the current optimizer step starts reading
     # With several processes, JAX's preemption service takes SIGTERM and agrees on the
     # micro-step at which every process stops, so all save the same checkpoint.
     multi_process = jax.process_count() > 1
     tracker.restart_clock()  # the first step's time starts here, not at set-up
     with _stop_requests(handle_sigterm=not multi_process) as stop:
         try:
-            for step in range(start_step, t.steps):
+            for step in range(position.step, t.steps):
                 if profile and step == profile[0] and profile_dir is not None:
                     drain()  # the trace starts with the devices idle, at a step boundary
                     # JAX converts to Perfetto with pathlib, local paths only (jax#19263).
@@ -222,17 +215,17 @@ def train(
                     jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=perfetto)
                     tracing = True
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    first_micro = start_micro if step == start_step else 0
+                    first_micro = position.micro if step == position.step else 0
                     # Fused accumulation makes a whole optimizer step in one call.
                     micros = [accum_steps - 1] if fused else range(first_micro, accum_steps)
                     for micro in micros:
                         if fused:
                             batch = data_lib.load_global_batch(
-                                train_source, step, plan, seed, setup.fused_batch_sharding
+                                train_source, examples, plan, seed, setup.fused_batch_sharding
                             )
                         else:
                             batch = data_lib.load_micro_batch(
-                                train_source, step, micro, plan, seed, setup.batch_sharding
+                                train_source, examples, micro, plan, seed, setup.batch_sharding
                             )
                         state, metrics = step_fn(state, batch)
                         if pending is not None:
@@ -252,10 +245,12 @@ def train(
                         if stop and micro < accum_steps - 1:  # mid-step: save right here
                             stop_signal = stop[0]
                             drain()
-                            save(done_micro, wait=True)
+                            stopped_at = data_lib.Position(step, examples, micro + 1)
+                            saved = save(stopped_at, wait=True)
                             break
                     if stop_signal:
                         break
+                examples += plan.global_batch_size
                 done = step + 1
                 if tracing and profile and done == profile[1]:
                     drain()
@@ -265,14 +260,15 @@ def train(
                     tracker.restart_clock()
                 if done == t.steps or (t.eval_every and done % t.eval_every == 0):
                     drain()  # evaluate these params before the next step changes them
-                    result = evaluate(setup, state.params, eval_source, plan, t.eval_batches)
+                    result = evaluate(setup, state.params, eval_source, plan, t.eval_examples)
                     emit(eval_record(done, plan, result, tracker))
                     tracker.restart_clock()
                 every = config.checkpoint.every
                 if stop or done == t.steps or (every and done % every == 0):
                     drain()  # the saved loop state must include this step's losses
-                    save(done * accum_steps, wait=bool(stop) or done == t.steps)
-                    if stop:
+                    stopped_at = data_lib.Position(done, examples, 0)
+                    saved = save(stopped_at, wait=bool(stop) or done == t.steps)
+                    if stop and done < t.steps:  # a stop at the last step just finishes
                         stop_signal = stop[0]
                         break
         finally:
@@ -284,14 +280,7 @@ def train(
             if run_dir:
                 run_dir.close()
     if stop_signal:
-        saved = checkpointer.steps()[-1] if checkpointer else None
-        echo(
-            f"stopped by {stop_signal}: saved checkpoint at micro-step {saved} "
-            f"(optimizer step {tracker.base_step if saved is None else saved // accum_steps}); "
-            "run the same command to resume"
-            if saved is not None
-            else f"stopped by {stop_signal}; no workdir, nothing saved"
-        )
+        echo(_stop_message(stop_signal, stopped_at, saved, checkpointer, accum_steps))
         return RunResult(plan=plan, state=state, records=records, summary={}, stopped=True)
     summary = summarize(config, plan, records, tracker, eval_source, time.perf_counter() - start)
     if checkpointer:
@@ -301,6 +290,103 @@ def train(
         run_dir.write_json("summary.json", summary)
     echo(format_summary(summary))
     return RunResult(plan=plan, state=state, records=records, summary=summary)
+
+
+def resume_events(
+    restored: Restored, config: ml_collections.ConfigDict, plan: BatchPlan
+) -> list[dict]:
+    """What changed at a resume, as records in the run's own history (metrics.jsonl)."""
+    meta, at = restored.meta, restored.position
+    events = []
+    if meta["plan"] != plan.to_json():  # the move: plan and learning-rate policy
+        events.append(
+            {
+                "event": "plan_change",
+                "step": at.step,
+                "micro_step": at.step * plan.grad_accum_steps + at.micro,
+                "examples_seen": at.examples,
+                "from_plan": meta["plan"],
+                "to_plan": plan.to_json(),
+                "lr_scaling": plan.lr_scaling,
+                "learning_rate": plan.learning_rate,
+            }
+        )
+    if restored.redone_micro_steps:
+        events.append(
+            {
+                "event": "partial_step_redone",
+                "step": at.step,
+                "micro_steps_redone": restored.redone_micro_steps,
+                "examples_seen": at.examples,
+            }
+        )
+    saved_steps = int(meta["config"]["train"]["steps"])
+    if saved_steps != config.train.steps:  # --allow-longer: the schedule is re-laid
+        old = ml_collections.ConfigDict(meta["config"])
+        before = learning_rate_schedule(old, float(meta["plan"]["learning_rate"]))
+        after = learning_rate_schedule(config, plan.learning_rate)
+        events.append(
+            {
+                "event": "steps_change",
+                "step": at.step,
+                "from_steps": saved_steps,
+                "to_steps": config.train.steps,
+                # The rate of the next optimizer step under the old and the new schedule.
+                "learning_rate_before": float(before(at.step)),
+                "learning_rate_after": float(after(at.step)),
+            }
+        )
+    return events
+
+
+def _finished_run(
+    config: ml_collections.ConfigDict,
+    plan: BatchPlan,
+    state: TrainState,
+    workdir: str | os.PathLike,
+    tracker: StepTracker,
+    eval_source: data_lib.Source,
+    echo: Callable[[str], None],
+) -> RunResult:
+    """A rerun on a finished workdir: nothing to train. A run that finished without its
+    summary (killed between the last checkpoint and the summary) gets one from its log."""
+    echo(f"{workdir} holds a finished run of {config.train.steps} steps; nothing to do")
+    summary_file = as_path(workdir) / "summary.json"
+    if summary_file.exists():
+        summary = json.loads(summary_file.read_text())
+    else:
+        records = read_metrics(workdir) if (as_path(workdir) / "metrics.jsonl").exists() else []
+        records = [r for r in records if "event" not in r]
+        summary = summarize(config, plan, records, tracker, eval_source, 0.0)
+        summary["rebuilt_from"] = "metrics.jsonl"  # no timings: they were never logged whole
+        if jax.process_index() == 0:
+            write_text_atomic(summary_file, json.dumps(summary, indent=2) + "\n")
+            echo(f"wrote the missing {summary_file} from metrics.jsonl")
+    return RunResult(plan=plan, state=state, records=[], summary=summary)
+
+
+def _stop_message(
+    signal_name: str,
+    at: data_lib.Position,
+    saved: bool,
+    checkpointer: Checkpointer | None,
+    accum_steps: int,
+) -> str:
+    if checkpointer is None:
+        return f"stopped by {signal_name}; no workdir, nothing saved"
+    where = f"optimizer step {at.step}"
+    if at.micro:
+        where += f" + {at.micro} of {accum_steps} micro-steps"
+    if saved:
+        return (
+            f"stopped by {signal_name}: saved checkpoint step_{at.step} at {where}; "
+            "run the same command to resume"
+        )
+    return (
+        f"stopped by {signal_name}: checkpoint step_{at.step} was already saved and is kept; "
+        f"stopped at {where} (resuming redoes the {at.micro} micro-steps since, exactly); "
+        "run the same command to resume"
+    )
 
 
 @contextlib.contextmanager

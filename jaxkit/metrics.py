@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 
 import tensorboardX
 
@@ -85,9 +86,12 @@ class RunDir:
         # tensorboardX writes TensorBoard event files without TensorFlow; purge_step makes
         # TensorBoard hide what an earlier attempt logged past the resumed step (the earlier
         # attempt's event files stay, a new file is added).
+        # Event files are named by the second and the host; the suffix keeps two attempts in
+        # the same second from writing one file over the other.
         self._tensorboard = tensorboardX.SummaryWriter(
             os.path.join(self._local, "tensorboard"),
             purge_step=None if resume_after_step is None else resume_after_step + 1,
+            filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}",
         )
 
     def write_lines(self, name: str, lines: list[str]) -> None:
@@ -107,7 +111,7 @@ class RunDir:
         self._metrics.flush()
         tags = EVAL_TAGS if "eval_loss" in record else TRAIN_TAGS
         for key, tag in tags.items():
-            if key in record:
+            if record.get(key) is not None:  # None: e.g. no grad_norm for a skipped step
                 self._tensorboard.add_scalar(tag, record[key], global_step=record["step"])
         self._tensorboard.flush()
         if self._remote and time.monotonic() - self._uploaded_at >= self._upload_every_s:

@@ -148,9 +148,51 @@ def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module
     raise ConfigError(f"model.kind={m.kind!r} is not one of transformer, mlp")
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean cross-entropy in nats over every label (rows, or rows × positions)."""
+def sharded_sizes(config: ml_collections.ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
+    """(config key, size, mesh axes) for every parameter dimension mesh.RULES shard.
+
+    Transformer: d_model is the fsdp side of every kernel, embedding and head, and, as
+    heads·head_dim, the tensor side of the attention projections; mlp_dim is the tensor side
+    of the MLP. MLP: the first layer's inputs lie on fsdp, and hidden units on both axes.
+    tests/test_validate.py checks this list against the partition specs of the models.
+    """
+    m, d = config.model, config.data
+    if m.kind == "transformer":
+        return [
+            ("model.d_model", m.d_model, ("fsdp", "tensor")),
+            ("model.mlp_dim", m.mlp_dim, ("tensor",)),
+        ]
+    return [
+        ("data.num_features", d.num_features, ("fsdp",)),
+        ("model.hidden_size", m.hidden_size, ("fsdp", "tensor")),
+    ]
+
+
+def check_mesh_divides(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    """Fails, naming the key, when a sharded dimension does not divide over its mesh axis.
+
+    JAX refuses uneven shards (IndivisibleError when the state is laid out, after the data
+    is loaded and the step is traced), so this runs as soon as the mesh shape is known.
+    """
+    for key, size, axes in sharded_sizes(config):
+        for axis in axes:
+            if size % mesh_shape[axis]:
+                raise ConfigError(
+                    f"{key}={size} is not divisible by mesh.{axis}={mesh_shape[axis]}: the "
+                    f"partition rules (jaxkit/mesh.py RULES) split it over the {axis} axis, "
+                    f"and shards must be even. Make {key} a multiple of {mesh_shape[axis]}, "
+                    f"or change mesh.{axis}"
+                )
+
+
+def token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Cross-entropy in nats of every label (rows, or rows × positions), in float32."""
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     label_logit = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    return jnp.mean(log_z - label_logit)
+    return log_z - label_logit
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean cross-entropy in nats over every label (rows, or rows × positions)."""
+    return jnp.mean(token_cross_entropy(logits, labels))

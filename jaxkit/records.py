@@ -16,6 +16,7 @@ import numpy as np
 from jaxkit import data as data_lib
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.costs import StepCost
+from jaxkit.data import Position
 from jaxkit.noise_scale import NoiseScale, small_batch_size
 from jaxkit.peak import Peak
 from jaxkit.train_step import Setup
@@ -49,6 +50,9 @@ class StepTracker:
         self.step_nonfinite = 0
         self.log_every = config.train.log_every
         self.max_nonfinite = config.train.max_nonfinite_in_row
+        # What a skip is: one micro-batch (MultiSteps drops just that one), or one whole
+        # optimizer step (fused mode learns of a bad micro-batch only after the local sums).
+        self.fused = setup.accumulation == "fused"
         self.losses: list[float] = []
         self.window_times: list[float] = []
         self.all_times: list[float] = []
@@ -57,35 +61,35 @@ class StepTracker:
         self.first_step_s = 0.0  # the first optimizer step: warm-up, kept out of throughput
         self.first_step_done = False
         self.last_mark = time.perf_counter()
-        # Where this process started counting: optimizer steps and examples before it.
-        self.base_step, self.base_examples = 0, 0
+        self.examples_seen = 0  # examples consumed by the optimizer steps fetched so far
 
-    def loop_state(self, step: int) -> dict:
-        """What a checkpoint needs to continue these metrics exactly."""
+    def loop_state(self, position: Position) -> dict:
+        """What a checkpoint at `position` needs to continue these metrics exactly."""
         return {
-            "step": step,
+            "step": position.step,
+            "micro": position.micro,
+            "examples_seen": position.examples,
             "partial_step_losses": list(self.losses),  # micro-batches of an unfinished step
             "skipped_micro_batches": self.skipped,
             "nonfinite_in_row": self.nonfinite_in_row,
-            "examples_seen": self.base_examples + (step - self.base_step) * self._global(),
             "partial_step_small_grad_sq": list(self.small_grad_sq),
             "partial_step_nonfinite": self.step_nonfinite,
             "noise_scale": self.noise_scale.state() if self.noise_scale else None,
         }
 
-    def load_loop_state(self, saved: dict) -> None:
-        self.losses = [float(x) for x in saved["partial_step_losses"]]
-        self.small_grad_sq = [float(x) for x in saved.get("partial_step_small_grad_sq", [])]
-        self.step_nonfinite = int(saved.get("partial_step_nonfinite", 0))
+    def load_loop_state(self, saved: dict, *, partial_step: bool = True) -> None:
+        """Continues from a checkpoint's loop state; `partial_step=False` when the saved
+        half-step is redone rather than continued."""
+        if partial_step:
+            self.losses = [float(x) for x in saved["partial_step_losses"]]
+            self.small_grad_sq = [float(x) for x in saved.get("partial_step_small_grad_sq", [])]
+            self.step_nonfinite = int(saved.get("partial_step_nonfinite", 0))
         if self.noise_scale and saved.get("noise_scale"):
             # Batch sizes may differ after a plan change: the averages carry over regardless.
             self.noise_scale.load(saved["noise_scale"])
         self.skipped = int(saved["skipped_micro_batches"])
         self.nonfinite_in_row = int(saved["nonfinite_in_row"])
-        self.base_step, self.base_examples = int(saved["step"]), int(saved["examples_seen"])
-
-    def _global(self) -> int:
-        return self.plan.global_batch_size
+        self.examples_seen = int(saved["examples_seen"])
 
     def restart_clock(self) -> None:
         self.last_mark = time.perf_counter()
@@ -95,16 +99,17 @@ class StepTracker:
         m = jax.device_get(metrics)
         self.losses.append(float(m["loss"]))
         self.small_grad_sq.append(float(m["small_grad_sq"]))
-        nonfinite = int(m["nonfinite"])
+        nonfinite = int(m["nonfinite"])  # micro-batches whose gradient was dropped
         self.step_nonfinite += nonfinite
+        self.skipped += nonfinite
         if nonfinite == 0:
             self.nonfinite_in_row = 0
         else:
-            self.skipped += nonfinite
-            self.nonfinite_in_row += nonfinite
+            self.nonfinite_in_row += 1  # one bad micro-batch, or one skipped fused step
             if self.nonfinite_in_row >= self.max_nonfinite:
+                what = "skipped optimizer steps" if self.fused else "non-finite micro-batches"
                 raise NonFiniteLossError(
-                    f"{self.nonfinite_in_row} non-finite micro-batches in a row (step {step}, "
+                    f"{self.nonfinite_in_row} {what} in a row (step {step}, "
                     f"micro-step {micro}); last loss {float(m['loss'])}. Lower "
                     "optimizer.learning_rate or set optimizer.grad_clip_norm; "
                     "train.max_nonfinite_in_row sets the limit"
@@ -112,6 +117,7 @@ class StepTracker:
         if micro < self.plan.grad_accum_steps - 1:
             return None
         done = step + 1
+        self.examples_seen += self.plan.global_batch_size
         now = time.perf_counter()
         elapsed, self.last_mark = now - self.last_mark, now
         if not self.first_step_done:
@@ -120,15 +126,17 @@ class StepTracker:
         else:
             self.window_times.append(elapsed)
             self.all_times.append(elapsed)
-        grad_norm = float(m["grad_norm"])
-        if self.noise_scale and self.step_nonfinite == 0:
+        # A fused step with a bad micro-batch was not applied: it has no gradient norm.
+        skipped_whole = self.fused and self.step_nonfinite > 0
+        grad_norm = None if skipped_whole else float(m["grad_norm"])
+        if self.noise_scale and self.step_nonfinite == 0 and grad_norm is not None:
             self.noise_scale.update(float(np.mean(self.small_grad_sq)), grad_norm**2)
         self.small_grad_sq, self.step_nonfinite = [], 0
         record = self._record(done, grad_norm)
         self.losses = []
         return record
 
-    def _record(self, done: int, grad_norm: float) -> dict:
+    def _record(self, done: int, grad_norm: float | None) -> dict:
         plan = self.plan
         step_time = statistics.mean(self.window_times) if self.window_times else self.first_step_s
         record = {
@@ -137,13 +145,13 @@ class StepTracker:
             "loss": float(np.mean(self.losses)),  # mean over the global batch
             "learning_rate": float(self.setup.schedule(done - 1)),
             "grad_norm": grad_norm,
-            "examples_seen": self.base_examples + (done - self.base_step) * self._global(),
+            "examples_seen": self.examples_seen,
             "step_time_s": step_time,
             "examples_per_s": plan.global_batch_size / step_time,
             "skipped_micro_batches": self.skipped,
         }
         if plan.seq_len is not None and plan.tokens_per_step is not None:
-            record["tokens_seen"] = record["examples_seen"] * plan.seq_len
+            record["tokens_seen"] = self.examples_seen * plan.seq_len
             record["tokens_per_s"] = plan.tokens_per_step / step_time
         record.update(self.utilisation(step_time))
         if self.noise_scale:
@@ -168,7 +176,7 @@ class StepTracker:
 
 def eval_record(done: int, plan: BatchPlan, result: dict, tracker: StepTracker) -> dict:
     record = {"step": done, "micro_step": done * plan.grad_accum_steps, **result}
-    record["examples_seen"] = tracker.loop_state(done)["examples_seen"]
+    record["examples_seen"] = tracker.examples_seen
     if plan.seq_len is not None:
         record["tokens_seen"] = record["examples_seen"] * plan.seq_len
     return record
@@ -185,9 +193,11 @@ def format_record(record: dict) -> str:
         if "tokens_per_s" in record
         else f"{record['examples_per_s']:,.0f} examples/s"
     )
+    norm = record["grad_norm"]
+    norm_text = "skipped (non-finite)" if norm is None else f"{norm:.3f}"
     return (
         f"step {record['step']:>6}  loss {record['loss']:.4f}  lr {record['learning_rate']:.3g}  "
-        f"grad_norm {record['grad_norm']:.3f}  {record['step_time_s'] * 1e3:.1f} ms/step  {rate}"
+        f"grad_norm {norm_text}  {record['step_time_s'] * 1e3:.1f} ms/step  {rate}"
     )
 
 

@@ -24,7 +24,7 @@ from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.config import ConfigError
 from jaxkit.fused_step import fused_train_step
-from jaxkit.models import build_model, cross_entropy
+from jaxkit.models import build_model, check_mesh_divides, cross_entropy, token_cross_entropy
 
 
 @struct.dataclass
@@ -163,6 +163,7 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
         step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx)
         step_batch_sharding = batch_sharding
     elif accumulation == "fused":
+        check_fused_mesh(mesh_lib.mesh_shape(mesh), accumulation)
         step_fn = functools.partial(fused_train_step, graphdef=graphdef, tx=tx, mesh=mesh)
         step_batch_sharding = fused_batch_sharding
     else:
@@ -190,6 +191,27 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
         step=step,
         eval_step=evaluate,
     )
+
+
+def check_on_mesh(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
+    """What the config asks of a mesh of this shape: even shards, and a mode that runs there."""
+    check_mesh_divides(config, shape)
+    check_fused_mesh(shape, config.train.accumulation)
+
+
+def check_fused_mesh(shape: dict[str, int], accumulation: str) -> None:
+    """Fused accumulation takes params whole into its shard_map: on a mesh that shards them
+    it would gather every one on every device, hold full-size gradients and make the tensor
+    axis repeat the same work. Refused there rather than run at a hidden cost."""
+    if accumulation == "fused" and (shape["fsdp"] > 1 or shape["tensor"] > 1):
+        raise ConfigError(
+            f"train.accumulation=fused runs only where params are replicated (mesh.fsdp=1 and "
+            f"mesh.tensor=1); this mesh is data={shape['data']} × fsdp={shape['fsdp']} × "
+            f"tensor={shape['tensor']}, where fused mode would gather every parameter whole "
+            "on every device and repeat the tensor axis' work. Use "
+            "train.accumulation=multisteps on this mesh, or a data-parallel mesh "
+            "(mesh.fsdp=1 mesh.tensor=1) for fused mode."
+        )
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -236,6 +258,12 @@ def train_step(
 def eval_step(
     params: Any, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef
 ) -> dict[str, jax.Array]:
+    """Sums over the batch's real rows (weight 1; padding has weight 0) of each row's mean
+    loss and accuracy, and the number of real rows: the caller divides once at the end."""
     logits = nnx.merge(graphdef, params)(batch["inputs"])
-    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == batch["targets"])
-    return {"loss": cross_entropy(logits, batch["targets"]), "accuracy": accuracy}
+    row_axes = tuple(range(1, batch["targets"].ndim))  # positions, for sequence rows
+    loss = jnp.mean(token_cross_entropy(logits, batch["targets"]), axis=row_axes)
+    hits = jnp.argmax(logits, axis=-1) == batch["targets"]
+    accuracy = jnp.mean(hits.astype(jnp.float32), axis=row_axes)
+    w = batch["weights"]
+    return {"loss_sum": w @ loss, "accuracy_sum": w @ accuracy, "rows": jnp.sum(w)}

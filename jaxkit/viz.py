@@ -54,7 +54,8 @@ def batch_layout(
     device, micro_step = np.full(g, -1), np.full(g, -1)
     sharding = mesh_lib.batch_sharding(mesh)
     for micro in range(plan.grad_accum_steps):
-        batch = data_lib.load_micro_batch(source, step, micro, plan, seed, sharding)
+        first = step * plan.global_batch_size  # the data position of a fixed global batch
+        batch = data_lib.load_micro_batch(source, first, micro, plan, seed, sharding)
         for shard in batch["targets"].addressable_shards:
             # With a tensor axis, several devices hold the same rows: name the first.
             for row in np.asarray(shard.data):

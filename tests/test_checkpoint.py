@@ -1,15 +1,19 @@
 """Checkpoints: exact resume, resume elsewhere, refusals, corruption (in-process)."""
 
+import json
 import os
 import signal
 
 import jax
 import numpy as np
+import optax
 import pytest
 
+from jaxkit import loop as loop_lib
 from jaxkit.batch_plan import plan_from_config
-from jaxkit.checkpoint import Checkpointer, CheckpointError, abstract_state
+from jaxkit.checkpoint import Checkpointer, CheckpointError, abstract_state, empty_accumulator
 from jaxkit.config import apply_overrides, load_config
+from jaxkit.data import make_sources
 from jaxkit.loop import train
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.metrics import read_metrics
@@ -59,8 +63,10 @@ def test_resume_mid_accumulation_is_bitwise_identical(tmp_path):
     stopped = run(config, tmp_path / "cut", stop_after_micro_steps=10)  # step 2, micro 2 of 4
     assert stopped.stopped and int(stopped.state.opt_state.mini_step) == 2
     ckpt = Checkpointer(tmp_path / "cut" / "checkpoints", keep=3, warn=print)
-    assert ckpt.steps() == [10]
-    assert ckpt.read_meta(10)["loop"]["partial_step_losses"]  # two fetched micro-losses
+    assert ckpt.steps() == [2]  # keyed by optimizer steps done; the half-step is in the record
+    loop = ckpt.read_meta(2)["loop"]
+    assert (loop["step"], loop["micro"], loop["examples_seen"]) == (2, 2, 64)
+    assert len(loop["partial_step_losses"]) == 2  # the two fetched micro-losses
     resumed = run(config, tmp_path / "cut")
     assert not resumed.stopped
     for a, b in zip(leaves(full.state), leaves(resumed.state), strict=True):
@@ -133,14 +139,14 @@ def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):
     full = run(config, tmp_path / "full")
     run(config, tmp_path / "cut", stop_after_micro_steps=4)
     ckpt_dir = tmp_path / "cut" / "checkpoints"
-    assert sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) == [2, 4]
-    for file in (ckpt_dir / "4" / "state").rglob("*"):
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_2", "step_4"]
+    for file in (ckpt_dir / "step_4" / "state").rglob("*"):
         if file.is_file() and file.stat().st_size > 0 and "zarr" not in file.name:
             file.write_bytes(b"\0" * file.stat().st_size)  # bit rot in the arrays
     warnings = []
     resumed = train(config, tmp_path / "cut", progress=False, echo=warnings.append)
-    assert any("checkpoint at micro-step 4 is unreadable" in w for w in warnings)
-    assert (ckpt_dir / "4.unreadable").is_dir()
+    assert any("checkpoint step_4 is unreadable" in w for w in warnings)
+    assert (ckpt_dir / "step_4.unreadable").is_dir()
     for a, b in zip(leaves(full.state), leaves(resumed.state), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -153,9 +159,10 @@ def test_a_checkpoint_of_another_model_shape_is_refused_and_left_alone(tmp_path)
     ckpt = Checkpointer(tmp_path / "checkpoints", keep=3, warn=print)
     with pytest.raises(
         CheckpointError,
-        match=r"(?s)different model:\n.*params.hidden.0.kernel: saved \(64, 128\), model wants",
+        match=r"(?s)step_2 .* different model:\n.*params.hidden.0.kernel: saved \(64, 128\), "
+        "model wants",
     ):
-        ckpt.restore_latest(abstract_state(setup), check=lambda step, meta: None)
+        ckpt.restore_latest(abstract_state(setup), check=lambda meta: None)
     assert ckpt.steps() == [2] and not list((tmp_path / "checkpoints").glob("*.unreadable"))
 
 
@@ -182,9 +189,21 @@ def test_checkpoints_move_between_multisteps_and_fused_at_step_boundaries(tmp_pa
     )
     for a, b in zip(leaves(full.state.params), leaves(fused.state.params), strict=True):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL, rtol=0)
-    run(config, tmp_path / "mid", stop_after_micro_steps=5)  # half-way through step 3
-    with pytest.raises(CheckpointError, match=r"train\.accumulation=multisteps"):
-        run(digits("batch.per_device_batch_size=2", "train.accumulation=fused"), tmp_path / "mid")
+    # Half-way through step 3: fused mode cannot continue an accumulation, so it redoes
+    # step 3 from its first micro-batch and still follows the same trajectory.
+    run(config, tmp_path / "mid", stop_after_micro_steps=5)
+    fused = run(
+        digits("batch.per_device_batch_size=2", "train.accumulation=fused"), tmp_path / "mid"
+    )
+    records = read_metrics(tmp_path / "mid")
+    (redone,) = [r for r in records if r.get("event") == "partial_step_redone"]
+    assert (redone["step"], redone["micro_steps_redone"]) == (2, 1)
+    losses = [r["loss"] for r in records if "loss" in r]
+    np.testing.assert_allclose(
+        losses, [r["loss"] for r in full.records if "loss" in r], rtol=LOSS_RTOL
+    )
+    for a, b in zip(leaves(full.state.params), leaves(fused.state.params), strict=True):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL, rtol=0)
 
 
 def test_ctrl_c_saves_and_stops_like_a_preemption(tmp_path):
@@ -205,3 +224,225 @@ def test_ctrl_c_saves_and_stops_like_a_preemption(tmp_path):
     full = run(config, tmp_path / "full")
     for a, b in zip(leaves(full.state), leaves(resumed.state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_run_moved_2_8_8_devices_with_stops_finishes_every_step_once(tmp_path):
+    # The issue's case: global 32, per-device 4, a checkpoint every 2 steps. On 2 devices
+    # (K=4) the run saved under the old numbering at micro-steps 8 and 16; resumed on 8
+    # (K=1) it saved 6 and 7 below them, resumed at step 4 again and then failed for good.
+    config = digits("train.steps=8", "checkpoint.every=2", "train.eval_every=0")
+    full = run(config, tmp_path / "full")
+    workdir = tmp_path / "moved"
+    first = run(config, workdir, devices=2, stop_after_micro_steps=14)  # 2 into step 4
+    assert first.plan.grad_accum_steps == 4 and first.stopped
+    ckpt = Checkpointer(workdir / "checkpoints", keep=3, warn=print)
+    assert ckpt.steps() == [2, 3]  # 3: three steps done and two micro-batches of the 4th
+    assert ckpt.read_meta(3)["loop"]["micro"] == 2
+    second = run(config, workdir, devices=8, stop_after_micro_steps=6)  # K=1: after step 6
+    assert second.stopped and second.plan.grad_accum_steps == 1
+    ckpt.manager.reload()
+    assert ckpt.steps() == [3, 4, 6]  # only ever growing
+    third = run(config, workdir, devices=8)
+    assert not third.stopped
+    ckpt.manager.reload()
+    assert ckpt.steps()[-1] == 8
+    records = read_metrics(workdir)
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == list(range(1, 9))  # each step exactly once
+    np.testing.assert_allclose(
+        [r["loss"] for r in train_records],
+        [r["loss"] for r in full.records if "loss" in r],
+        rtol=LOSS_RTOL,
+    )
+    assert [r["examples_seen"] for r in train_records] == [32 * i for i in range(1, 9)]
+    worst = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(leaves(full.state.params), leaves(third.state.params), strict=True)
+    )
+    assert worst < PARAM_ATOL, worst
+    (redone,) = [r for r in records if r.get("event") == "partial_step_redone"]
+    assert (redone["step"], redone["micro_steps_redone"]) == (3, 2)
+    assert json.loads((workdir / "summary.json").read_text())["steps"] == 8
+
+
+def test_a_half_step_is_continued_on_the_same_split_and_redone_on_another(tmp_path):
+    config = digits("batch.per_device_batch_size=1")  # 8 × 1 × K=4
+    run(config, tmp_path / "cut", stop_after_micro_steps=10)  # step 2, 2 of 4 micro-steps
+    mesh = make_mesh(config.mesh.to_dict())
+    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    ckpt = Checkpointer(tmp_path / "cut" / "checkpoints", keep=3, warn=print)
+    mid = ckpt.restore(2, abstract_state(setup))
+    assert int(mid.opt_state.mini_step) == 2
+    assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(mid.opt_state.acc_grads))
+    # The boundary state before it: the same run stopped after two whole steps.
+    run(config, tmp_path / "boundary", stop_after_micro_steps=8)
+    boundary = Checkpointer(tmp_path / "boundary" / "checkpoints", keep=3, warn=print).restore(
+        2, abstract_state(setup)
+    )
+    emptied = empty_accumulator(mid)
+    for name in ("params", "opt_state"):
+        for a, b in zip(
+            leaves(getattr(emptied, name)), leaves(getattr(boundary, name)), strict=True
+        ):
+            np.testing.assert_array_equal(a, b)  # bitwise: nothing else moved mid-step
+    for a, b in zip(
+        jax.tree.leaves(emptied.opt_state.acc_grads),
+        jax.tree.leaves(mid.opt_state.acc_grads),
+        strict=True,
+    ):
+        assert a.sharding == b.sharding  # placed as the step expects it
+    # Resumed on 4 devices (K=8, another micro-batch size), the half-step is redone.
+    messages = []
+    resumed = train(
+        config, tmp_path / "cut", devices=jax.devices()[:4], progress=False, echo=messages.append
+    )
+    assert resumed.plan.grad_accum_steps == 8
+    assert any("cannot continue: that step starts again" in m for m in messages), messages
+    full = run(config, tmp_path / "full")
+    worst = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(leaves(full.state.params), leaves(resumed.state.params), strict=True)
+    )
+    assert worst < PARAM_ATOL, worst
+
+
+def test_a_stop_right_after_a_checkpoint_keeps_it_and_loses_nothing(tmp_path):
+    config = digits("batch.per_device_batch_size=1", "checkpoint.every=1")  # K=4
+    messages = []
+    stopped = train(
+        config,
+        tmp_path / "cut",
+        progress=False,
+        echo=messages.append,
+        stop_after_micro_steps=10,
+    )
+    assert stopped.stopped
+    # Step 2 was saved at its boundary; the stop 2 micro-steps later keeps that checkpoint.
+    assert any("checkpoint step_2 was already saved and is kept" in m for m in messages)
+    ckpt = Checkpointer(tmp_path / "cut" / "checkpoints", keep=3, warn=print)
+    assert ckpt.steps() == [1, 2] and ckpt.read_meta(2)["loop"]["micro"] == 0
+    resumed = run(config, tmp_path / "cut")
+    full = run(config, tmp_path / "full")
+    for a, b in zip(leaves(full.state), leaves(resumed.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert same_records(tmp_path / "full", tmp_path / "cut")
+
+
+def test_a_workdir_numbered_by_micro_step_is_resumed_from_its_most_advanced_checkpoint(
+    tmp_path,
+):
+    """Earlier jaxkit keyed checkpoints by micro-step (checkpoints/N, no prefix, no
+    "format" in the record). Such a workdir is made here from today's checkpoints."""
+    config = digits("train.steps=8", "checkpoint.every=2", "checkpoint.keep=5")
+    full = run(config, tmp_path / "full", devices=8)
+    workdir = tmp_path / "old"
+    run(config, workdir, devices=2, stop_after_micro_steps=16)  # K=4: steps 2 and 4 saved
+    run(config, workdir, devices=8, stop_after_micro_steps=6)  # K=1: steps 6 saved
+    ckpt_dir = workdir / "checkpoints"
+    # As the old numbering had them: [6 (K=1), 8 (K=4, step 2), 16 (K=4, step 4)].
+    for step, micro_step in ((2, 8), (4, 16), (6, 6)):
+        (ckpt_dir / f"step_{step}").rename(ckpt_dir / str(micro_step))
+        meta_file = ckpt_dir / str(micro_step) / "meta" / "metadata"
+        meta = json.loads(meta_file.read_text())
+        del meta["format"]
+        meta_file.write_text(json.dumps(meta))
+    messages = []
+    resumed = train(
+        config, workdir, devices=jax.devices()[:8], progress=False, echo=messages.append
+    )
+    # Micro-step 16 is the highest number but step 4; the checkpoint named 6 is step 6.
+    assert any("at optimizer step 6 (checkpoint 6, numbered by micro-step" in m for m in messages)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["16", "6", "8", "step_8"]
+    losses = [r["loss"] for r in read_metrics(workdir) if "loss" in r]
+    np.testing.assert_allclose(
+        losses, [r["loss"] for r in full.records if "loss" in r], rtol=LOSS_RTOL
+    )
+    worst = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(leaves(full.state.params), leaves(resumed.state.params), strict=True)
+    )
+    assert worst < PARAM_ATOL, worst
+
+
+def test_a_batch_change_continues_the_data_stream_without_skipping_or_repeating(
+    tmp_path, monkeypatch
+):
+    served = []
+
+    class Recorded:
+        """The training rows as jaxkit loads them, recording every row index it serves."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __len__(self):
+            return len(self.inner)
+
+        def __getitem__(self, rows):
+            served.extend(np.asarray(rows).tolist())
+            return self.inner[rows]
+
+    real = loop_lib.data_lib.make_sources
+    monkeypatch.setattr(
+        loop_lib.data_lib, "make_sources", lambda c: (Recorded(real(c)[0]), real(c)[1])
+    )
+    config = digits("train.steps=30", "train.eval_every=0")  # 30 × 32 > one epoch (1527)
+    run(config, tmp_path, stop_after_micro_steps=20)  # 20 steps of 32 rows: 640 examples
+    bigger = digits("train.steps=30", "train.eval_every=0", "batch.global_batch_size=64")
+    run(bigger, tmp_path, allow_batch_change=True)  # 10 steps of 64 rows
+    # Independently of jaxkit: epoch permutations of the 1527 training rows, end to end.
+    n = len(make_sources(config)[0])
+    stream = np.concatenate([np.random.default_rng([0, e]).permutation(n) for e in range(2)])
+    assert served == stream[: 20 * 32 + 10 * 64].tolist()
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert records[-1]["examples_seen"] == 20 * 32 + 10 * 64
+
+
+def test_stopping_on_the_last_micro_step_still_finishes_the_run(tmp_path):
+    config = digits("batch.per_device_batch_size=1")  # K=4, 6 steps: 24 micro-steps
+    result = run(config, tmp_path, stop_after_micro_steps=24)
+    assert not result.stopped and (tmp_path / "summary.json").exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["eval_loss"] == result.summary["eval_loss"]
+    # A finished run that lost its summary (killed right after the last checkpoint) gets
+    # one back from metrics.jsonl when rerun.
+    (tmp_path / "summary.json").unlink()
+    again = run(config, tmp_path)
+    rebuilt = json.loads((tmp_path / "summary.json").read_text())
+    assert rebuilt["rebuilt_from"] == "metrics.jsonl" and again.summary == rebuilt
+    for key in ("final_loss", "eval_loss", "eval_accuracy", "steps", "global_batch_size"):
+        assert rebuilt[key] == summary[key], key
+
+
+def test_train_steps_grows_only_when_asked_and_the_schedule_change_is_logged(tmp_path):
+    run(digits(), tmp_path)  # 6 steps, finished
+    longer = digits("train.steps=10")
+    with pytest.raises(CheckpointError, match=r"holds a finished run of 6 steps.*--allow-longer"):
+        run(longer, tmp_path)
+    with pytest.raises(CheckpointError, match="cannot be shortened"):
+        run(digits("train.steps=4"), tmp_path)
+    stopped = run(longer, tmp_path, allow_longer=True, stop_after_micro_steps=8)
+    assert stopped.stopped and not (tmp_path / "summary.json").exists()  # unfinished again
+    result = run(longer, tmp_path, allow_longer=True)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 11))
+    (change,) = [r for r in records if r.get("event") == "steps_change"]
+    assert (change["step"], change["from_steps"], change["to_steps"]) == (6, 6, 10)
+    # The rate step 7 used is the new schedule's, counted in optimizer steps (6 done).
+    step7 = next(r for r in records if r.get("step") == 7 and "loss" in r)
+    assert step7["learning_rate"] == pytest.approx(float(result_schedule(longer)(6)))
+    assert change["learning_rate_after"] == pytest.approx(step7["learning_rate"])
+    assert change["learning_rate_before"] == pytest.approx(float(result_schedule(digits())(6)))
+    assert result.summary["steps"] == 10
+
+
+def result_schedule(config):
+    """The config's learning-rate schedule, written out with optax alone."""
+    o, steps = config.optimizer, config.train.steps
+    return optax.warmup_cosine_decay_schedule(
+        o.learning_rate / o.warmup_steps,
+        o.learning_rate,
+        o.warmup_steps,
+        max(steps, o.warmup_steps + 1),
+        o.learning_rate * o.final_lr_fraction,
+    )

@@ -12,6 +12,7 @@ from jaxkit.data import (
     micro_batch_rows,
     process_row_range,
     stdlib_corpus,
+    stream_rows,
 )
 from jaxkit.mesh import batch_sharding, make_mesh
 
@@ -31,7 +32,7 @@ def test_every_split_of_a_global_batch_reads_the_same_rows(step):
     assert len(rows) == 32 and len(set(rows.tolist())) == 32
     for dp, b, k in [(1, 32, 1), (4, 8, 1), (2, 8, 2), (1, 8, 4), (8, 1, 4)]:
         p = plan(dp, b, k)
-        micro = [micro_batch_rows(step, m, p, 1800, seed=7) for m in range(k)]
+        micro = [micro_batch_rows(step * 32, m, p, 1800, seed=7) for m in range(k)]
         np.testing.assert_array_equal(np.concatenate(micro), rows)
 
 
@@ -42,6 +43,20 @@ def test_order_depends_on_seed_and_covers_each_epoch_once():
     assert not np.array_equal(global_batch_rows(0, 32, 100, 0), global_batch_rows(0, 32, 100, 1))
     with pytest.raises(ValueError, match="exceeds the 10 training rows"):
         global_batch_rows(0, 32, 10, 0)
+
+
+def test_the_stream_runs_through_epochs_whatever_the_batch_sizes():
+    """Batches of changing sizes read consecutive examples: no row skipped or repeated."""
+    n, seed = 100, 3
+    # Independently of jaxkit: each epoch a seeded permutation, epochs end to end.
+    stream = np.concatenate([np.random.default_rng([seed, e]).permutation(n) for e in range(4)])
+    position, read = 0, []
+    for size in [32, 32, 64, 16, 48, 8, 96]:  # a batch that doubles, halves, straddles epochs
+        read.append(stream_rows(position, size, n, seed))
+        position += size
+    np.testing.assert_array_equal(np.concatenate(read), stream[:position])
+    for epoch in range(3):
+        assert sorted(stream[epoch * n : (epoch + 1) * n].tolist()) == list(range(n))
 
 
 def test_each_device_gets_its_slice_of_the_micro_batch():
@@ -75,12 +90,33 @@ def test_token_windows_predict_the_next_byte():
 
 
 def test_default_corpus_is_the_stdlib_source_in_sorted_order():
+    import pathlib
+    import sysconfig
+
+    # The expected corpus, built here: every .py file under the stdlib directory outside
+    # site-packages, ordered by path components, their bytes concatenated, cut at the limit.
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        (p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts),
+        key=lambda p: p.relative_to(root).parts,
+    )
+    expected, spanned = b"", 0
+    while len(expected) < 100_000:
+        expected += files[spanned].read_bytes()
+        spanned += 1
+    assert spanned >= 3  # several files, so their order shows in the bytes
+
     text = stdlib_corpus(20_000)
     assert len(text) == 20_000 and b"def " in text
+    first = files[0].read_bytes()
+    assert text[: len(first)] == first  # e.g. __future__.py, not the last file
+    assert text == expected[:20_000]
     config = load_config("lm_tiny")
     apply_overrides(config, ["data.max_bytes=100000"])
     train, held_out = make_sources(config)
     assert len(train.tokens) == 95_000 and len(held_out.tokens) == 5_000
+    # The held-out bytes are the corpus' tail: train then held-out is the corpus itself.
+    assert bytes(train.tokens) + bytes(held_out.tokens) == expected[:100_000]
 
 
 def test_digits_are_the_bundled_images():

@@ -1,10 +1,16 @@
 """Fused accumulation: same trajectory as MultiSteps, one gradient all-reduce per step."""
 
+import dataclasses
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
 from small_configs import SMALL_LM
 
+from jaxkit import loop as loop_lib
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import load_global_batch, load_micro_batch, make_sources
@@ -13,6 +19,7 @@ from jaxkit.loop import train
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.train_step import build
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Same reasoning as test_equivalence: the same per-example gradients summed in another
 # order (local scans, then one pmean) differ by float32 round-off only.
 LOSS_RTOL = 2e-6
@@ -30,7 +37,7 @@ def config_for(name, mode, per_device, *extra):
             "batch.grad_accum_steps=null",
             "train.steps=5",
             "train.log_every=1",
-            "train.eval_batches=1",
+            "train.eval_examples=32",
             f"train.accumulation={mode}",
             *extra,
         ],
@@ -87,14 +94,81 @@ def test_a_fused_step_with_a_non_finite_micro_batch_is_skipped_whole():
     setup = build(config, plan, mesh)
     source, _ = make_sources(config)
     state = setup.init(jax.random.key(0))
-    before = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
-    batch = load_global_batch(source, 0, plan, 0, setup.fused_batch_sharding)
+    state, _ = setup.step(state, load_global_batch(source, 0, plan, 0, setup.fused_batch_sharding))
+    before = jax.device_get(state)  # one good step in: Adam's moments are not zeros
+    batch = load_global_batch(source, 32, plan, 0, setup.fused_batch_sharding)
     poisoned = dict(batch, inputs=batch["inputs"].at[1, 3].set(np.nan))
     state, metrics = setup.step(state, poisoned)
-    assert int(metrics["nonfinite"]) == plan.grad_accum_steps
-    after = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
-    for x, y in zip(before, after, strict=True):
+    assert int(metrics["nonfinite"]) == plan.grad_accum_steps  # every micro-batch dropped
+    after = jax.device_get(state)
+    for x, y in zip(jax.tree.leaves(before.params), jax.tree.leaves(after.params), strict=True):
         np.testing.assert_array_equal(x, y)
-    assert int(state.step) == 1 and int(state.micro_step) == plan.grad_accum_steps
+    # The optimizer's moments are untouched (not poisoned); its step counts advance with
+    # gradient_step, so the schedule and the optimizer step stay one count.
+    for x, y in zip(
+        jax.tree.leaves(before.opt_state.inner_opt_state),
+        jax.tree.leaves(after.opt_state.inner_opt_state),
+        strict=True,
+    ):
+        if np.issubdtype(x.dtype, np.integer):
+            assert int(y) == int(x) + 1
+        else:
+            np.testing.assert_array_equal(x, y)
+    assert int(after.opt_state.inner_opt_state[2][0].count) == int(state.step) == 2
+    assert int(state.micro_step) == 2 * plan.grad_accum_steps
     state, metrics = setup.step(state, batch)
     assert int(metrics["nonfinite"]) == 0 and np.isfinite(float(metrics["loss"]))
+    for leaf in jax.tree.leaves(jax.device_get(state)):
+        assert np.all(np.isfinite(leaf))
+
+
+def test_one_bad_micro_batch_in_a_fused_step_is_one_skip_not_k(monkeypatch):
+    # 2 devices × 1 row × K=16. Row 0 of the training set is poisoned; whichever step reads
+    # it is skipped whole, and counts once toward max_nonfinite_in_row=2.
+    real = loop_lib.data_lib.make_sources
+
+    def poisoned_sources(config):
+        train_source, eval_source = real(config)
+        inputs = train_source.inputs.copy()
+        inputs[0] = np.nan
+        return dataclasses.replace(train_source, inputs=inputs), eval_source
+
+    monkeypatch.setattr(loop_lib.data_lib, "make_sources", poisoned_sources)
+    config = config_for("mlp_digits", "fused", 1, "train.steps=60", "train.max_nonfinite_in_row=2")
+    result = train(config, devices=jax.devices()[:2], progress=False, echo=lambda *a: None)
+    assert result.plan.grad_accum_steps == 16
+    records = [r for r in result.records if "loss" in r]
+    first_bad = next(i for i, r in enumerate(records) if r["skipped_micro_batches"])
+    bad = records[first_bad]
+    assert bad["skipped_micro_batches"] == 16 and bad["grad_norm"] is None
+    assert all(r["grad_norm"] is not None for r in records if r is not bad)
+    assert records[-1]["skipped_micro_batches"] == 16  # one epoch of 1527 rows: one bad step
+    # The logged rate is the one the optimizer used: its count is the optimizer step.
+    assert int(result.state.opt_state.inner_opt_state[2][0].count) == 60
+    assert int(result.state.step) == 60
+    for leaf in jax.tree.leaves(jax.device_get(result.state)):
+        assert np.all(np.isfinite(leaf))
+
+
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=2"], ["mesh.tensor=2"]])
+def test_fused_is_refused_where_params_are_sharded(mesh):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxkit",
+            "plan",
+            "lm_tiny",
+            "train.accumulation=fused",
+            *mesh,
+            "--all-splits",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert out.returncode == 2, out.stderr
+    assert "train.accumulation=fused runs only where params are replicated" in out.stderr
+    assert "train.accumulation=multisteps" in out.stderr and "Traceback" not in out.stderr

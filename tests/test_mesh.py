@@ -86,7 +86,7 @@ def _small_lm(*overrides):
             "batch.per_device_batch_size=4",
             "train.steps=4",
             "train.log_every=1",
-            "train.eval_batches=1",
+            "train.eval_examples=32",
             *overrides,
         ],
     )

@@ -5,8 +5,8 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxkit.config import ConfigError, apply_overrides, load_config
-from jaxkit.loop import parse_profile_steps, train
+from jaxkit.config import ConfigError, apply_overrides, load_config, parse_profile_steps
+from jaxkit.loop import train
 from jaxkit.metrics import read_metrics
 
 
@@ -69,3 +69,16 @@ def test_metrics_of_an_interrupted_run_are_readable(tmp_path):
     lines = [json.dumps({"step": 1, "loss": 2.0}), json.dumps({"step": 2, "loss": 1.5})]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 3, "lo')
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_two_run_dirs_opened_in_the_same_second_keep_both_event_files(tmp_path):
+    from jaxkit.metrics import RunDir
+
+    first = RunDir(tmp_path)
+    first.log({"step": 1, "loss": 1.0})
+    second = RunDir(tmp_path, resume_after_step=0)  # a restart within the same second
+    second.log({"step": 1, "loss": 2.0})
+    first.close()
+    second.close()
+    files = sorted((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 2, files

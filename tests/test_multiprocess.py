@@ -1,5 +1,6 @@
 """Two processes × 4 simulated devices form one 8-device mesh (loopback only, bounded)."""
 
+import errno
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from jaxkit import distributed
 
@@ -24,17 +26,37 @@ RUN = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reserve_port() -> socket.socket:
+    """A loopback port held for the coordinator until the run is over.
+
+    Finding a free port and letting it go leaves it to anyone until the coordinator binds
+    it. Instead this socket keeps it bound (never listening, so it takes no connections)
+    with SO_REUSEPORT. The coordinator's gRPC server sets SO_REUSEPORT as well (gRPC's
+    default on Linux), so it can bind the same port meanwhile; anything else that binds it
+    gets EADDRINUSE, and the kernel skips it when it picks a port for bind(0) or connect().
+    (Checked with jax.distributed here: held this way, two processes join; held without
+    the option, the coordinator fails with "Failed to start RPC server".)
+    """
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+class Run(list):
+    """The processes of one run, and the socket that holds their coordinator's port."""
+
+    def __init__(self, procs, port_holder):
+        super().__init__(procs)
+        self.port_holder = port_holder
 
 
 def start(workdir, run=RUN, processes=1, per_process_extra=None, ids=None, **env_vars):
     """Starts `jaxkit train` as processes `ids` (default all) of a `processes`-process run."""
     timeouts = {"JAXKIT_JOIN_TIMEOUT_S": "30", "JAXKIT_HEARTBEAT_TIMEOUT_S": "20"}
     env = {**os.environ, "PYTHONPATH": ROOT, **timeouts, **env_vars}
-    port = free_port()
+    port_holder = reserve_port() if processes > 1 else None
+    port = port_holder.getsockname()[1] if port_holder else None
     procs = []
     for i in range(processes) if ids is None else ids:
         cmd = [
@@ -64,7 +86,7 @@ def start(workdir, run=RUN, processes=1, per_process_extra=None, ids=None, **env
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env
             )
         )
-    return procs
+    return Run(procs, port_holder)
 
 
 def finish(procs, timeout=240):
@@ -78,6 +100,8 @@ def finish(procs, timeout=240):
     finally:
         for proc in procs:
             proc.kill()
+        if procs.port_holder is not None:
+            procs.port_holder.close()
     return results
 
 
@@ -107,6 +131,22 @@ def assert_same_run(a, b):
         np.testing.assert_allclose(x[key], y[key], rtol=2e-6)
 
 
+def test_the_held_port_refuses_other_binders_but_not_a_reuseport_server():
+    holder = reserve_port()
+    port = holder.getsockname()[1]
+    try:
+        for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0")):
+            with socket.socket(family) as other, pytest.raises(OSError) as refused:
+                other.bind((host, port))
+            assert refused.value.errno == errno.EADDRINUSE
+        with socket.socket() as server:  # a server that sets SO_REUSEPORT, as gRPC does
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+    finally:
+        holder.close()
+
+
 def test_two_processes_train_like_one_and_resume_across_process_counts(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     ((rc, out),) = launch(one)
@@ -120,7 +160,7 @@ def test_two_processes_train_like_one_and_resume_across_process_counts(tmp_path)
     for source, processes in ((two, 1), (one, 2)):
         moved = tmp_path / f"{source.name}_as_{processes}"
         shutil.copytree(source, moved)
-        shutil.rmtree(moved / "checkpoints" / "6")  # as if it had stopped after step 3
+        shutil.rmtree(moved / "checkpoints" / "step_6")  # as if it had stopped after step 3
         results = launch(moved, processes=processes)
         assert all(rc == 0 for rc, _ in results), results
         assert "resuming from" in results[0][1] and "optimizer step 3" in results[0][1]
@@ -164,9 +204,9 @@ def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path):
     results = finish(procs, timeout=120)
     assert [rc for rc, _ in results] == [0, 0], results
     outs = [out for _, out in results]
-    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "checkpoints").iterdir())
     assert len(saved) == 1 and 0 < saved[0] < 400  # one checkpoint, the same for both
-    assert f"saved checkpoint at micro-step {saved[0]}" in outs[0]
+    assert f"saved checkpoint step_{saved[0]} at optimizer step {saved[0]}" in outs[0]
     results = launch(tmp_path, args, processes=2)  # and the pair resumes it
     assert all(rc == 0 for rc, _ in results), results
     assert records(tmp_path)[-1]["step"] == 400

@@ -165,7 +165,7 @@ def train_unit(
     """
     c = ml_collections.ConfigDict(config.to_dict())
     c.train.steps, c.train.log_every = steps, 1
-    c.train.eval_every, c.train.eval_batches = 0, 1
+    c.train.eval_every, c.train.eval_examples = 0, 32
     c.train.profile_steps = ""
     result = train(c, None, devices=devices, progress=False, echo=echo)
     if result.stopped:
