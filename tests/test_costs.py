@@ -3,13 +3,17 @@
 import json
 
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
+from flax import nnx
 from test_cli import jaxkit
 
 from jaxkit import costs, peak
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.loop import train
+from jaxkit.models import build_model
 
 
 def _digits(*overrides):
@@ -69,6 +73,97 @@ def test_fused_flops_count_every_micro_batch():
     assert a.calls_per_step == b.calls_per_step == 4
     assert 0 < b.update_flops < b.flops_per_call
     assert b.flops_per_step == pytest.approx(a.flops_per_step, rel=0.01)
+
+
+def _plain_flops(fn, *args):
+    """FLOPs of `fn` compiled by plain jax.jit for one device, from its cost analysis."""
+    return float(jax.jit(fn).lower(*args).compile().cost_analysis()["flops"])
+
+
+def independent_counts(config, rows):
+    """(gradient of one device's micro-batch, one optimizer update) in FLOPs, without jaxkit.
+
+    The gradient of the mean loss over `rows` rows on one device, and one optax update (the
+    configured clip and adamw) applied to the params, together with the global norm of the
+    gradient that the kit logs as grad_norm: what runs once per optimizer step. Only the
+    model's forward pass comes from jaxkit. Params are replicated on a data-parallel mesh,
+    so each device runs exactly this much per micro-step and per update.
+    """
+    with nnx.use_eager_sharding(False):
+        model = build_model(config, nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+    row_shape, dtype = (
+        ((config.data.seq_len,), jnp.int32)
+        if config.model.kind == "transformer"
+        else ((config.data.num_features,), jnp.float32)
+    )
+    target_shape = row_shape if config.model.kind == "transformer" else ()
+    inputs = jax.ShapeDtypeStruct((rows, *row_shape), dtype)
+    targets = jax.ShapeDtypeStruct((rows, *target_shape), jnp.int32)
+
+    def loss(p, inputs, targets):
+        logits = nnx.merge(graphdef, p)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    o = config.optimizer
+    matrices = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+    tx = optax.adamw(1e-3, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=matrices)
+    if o.grad_clip_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), tx)
+
+    def update(grads, opt_state, params):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    grad = _plain_flops(jax.grad(loss), params, inputs, targets)
+    return grad, _plain_flops(update, params, tx.init(params), params)
+
+
+def _multisteps_cost(config, per_device, k):
+    split = costs.split_config(config, per_device, k)
+    plan = plan_from_config(split, {"data": 8, "fsdp": 1, "tensor": 1})
+    assert plan.grad_accum_steps == k and plan.micro_batch_size == 8 * per_device
+    return costs.step_cost(split, plan, jax.devices())
+
+
+def test_flops_per_step_are_k_gradients_and_one_update():
+    """lm_tiny, 8 devices × 2 rows × K: FLOPs per optimizer step per device ≈ K × one
+    device's micro-batch gradient + one update, both compiled here with plain jax.
+
+    The kit's step also does per-micro-step bookkeeping the plain gradient does not
+    (accumulating into MultiSteps' buffer, the gradient's squared norm for the noise scale,
+    the finiteness check, applying a zero update to the params): a few tens of FLOPs per
+    parameter against ~1,600 per parameter for the gradient of 2 × 128 tokens. Measured: the
+    kit's count is 1.3% above the independent one for every K. 2.5% bounds that with a 2x
+    margin, while counting one micro-step per optimizer step (dropping K) is 75% low at K = 4.
+    """
+    config = load_config("lm_tiny")
+    grad, update = independent_counts(config, rows=2)
+    for k in (1, 4):
+        expected = k * grad + update
+        got = _multisteps_cost(config, 2, k).flops_per_step
+        assert got == pytest.approx(expected, rel=0.025), (k, got / expected)
+
+
+def test_flops_per_step_count_the_update_once():
+    """mlp_digits, 8 devices × 1 row × K: one update is a third of a micro-step's FLOPs.
+
+    Every counted call includes the update, which runs once per optimizer step. The same
+    call program serves every K ≥ 2, so flops_per_step is a line in K: its slope is a
+    micro-step (at least the gradient), its intercept what runs once per step, the update.
+    Taking K rather than K − 1 updates back out would put the intercept at zero.
+    """
+    config = _digits()
+    grad, update = independent_counts(config, rows=1)
+    by_k = {k: _multisteps_cost(config, 1, k).flops_per_step for k in (2, 4)}
+    slope = (by_k[4] - by_k[2]) / 2
+    intercept = by_k[2] - 2 * slope
+    assert slope >= grad
+    # The kit counts its update on the lowered program, before XLA simplifies it; on this
+    # MLP (no clip, so no second norm for XLA to share) that is 3.3e-5 from the compiled
+    # plain count. 1e-3 keeps a 30x margin; one update too many or too few is 100% off.
+    assert intercept == pytest.approx(update, rel=1e-3)
 
 
 def test_recommend_takes_the_largest_fitting_batch_then_fewest_steps():
@@ -153,6 +248,18 @@ def test_peak_table_and_the_cached_cpu_peak(tmp_path, monkeypatch):
     assert len(calls) == 2
 
 
+def test_the_suite_keeps_its_peak_cache_out_of_the_users_home():
+    """conftest points JAXKIT_CACHE_DIR at the session's temporary directory."""
+    import tempfile
+    from pathlib import Path
+
+    from conftest import SESSION_CACHE_DIR
+
+    assert peak.cache_dir() == Path(SESSION_CACHE_DIR)
+    assert Path(tempfile.gettempdir()) in peak.cache_dir().parents
+    assert peak.cache_dir().is_dir()
+
+
 def test_a_run_reports_flops_and_mfu_from_its_compiled_step(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(peak, "measure_matmul_peak", lambda d: 1e9)
@@ -169,8 +276,9 @@ def test_a_run_reports_flops_and_mfu_from_its_compiled_step(tmp_path, monkeypatc
 
 def test_plan_max_per_device_batch_from_the_cli():
     out = jaxkit("plan", "mlp_digits", "--max-per-device-batch", "--memory-budget", "1")
-    assert out.returncode == 1 and "even per_device_batch_size=1 needs" in out.stdout
+    assert out.returncode == 2 and "even per_device_batch_size=1 needs" in out.stderr
     one = jaxkit("plan", "mlp_digits", "--max-per-device-batch", "--memory-budget", "1", "--json")
+    assert one.returncode == 2 and json.loads(one.stdout)["max_per_device_batch_size"] == 0
     need = json.loads(one.stdout)["tried"]["1"]
     # A budget of exactly what one row needs: 1 fits, 2 does not, found in two compiles.
     out = jaxkit("plan", "mlp_digits", "--max-per-device-batch", "--memory-budget", str(need))

@@ -1,4 +1,5 @@
-"""The four seed splits of a global batch of 32 train the same model as one big batch.
+"""The four seed splits of a global batch of 32 train the same model as one big batch:
+the same losses, gradient norms and params, under adamw and under sgd.
 
 The reference is written here with jax + optax alone: one device, the whole global batch
 per step, no MultiSteps and no jaxkit train step; only the model's forward pass and the
@@ -38,6 +39,27 @@ SMALL = {
 # why the attention key projection has no bias.)
 LOSS_RTOL = 2e-6
 PARAM_ATOL = 1e-6
+# The logged grad_norm is the norm of the accumulated gradient before clipping; the
+# reference's is the norm of the full-batch gradient. Both sum the same per-example
+# gradients in another order, so they differ by round-off of the squared-norm sum
+# (~1e-7 relative in float32). Measured: within 1.8e-7 relative on every split, both
+# models, adamw and sgd, five steps. 1e-6 keeps a 5x margin; a sum of the K micro-batch
+# gradients instead of their mean is off by K - 1 = 100% or 300%. (On lm_tiny the
+# gradient norm is ~3-11 against grad_clip_norm=1, and Adam ignores a gradient's scale:
+# so under adamw the losses cannot see such a scale error, only this norm can.)
+GRAD_NORM_RTOL = 1e-6
+
+# SGD is linear in the gradient, so a wrong gradient scale moves every parameter. Clipping
+# is off here (the clip would rescale a too-large gradient back to the same update) and the
+# learning rate is high enough for five steps to train. Only the splits that accumulate:
+# K = 2 and K = 4 micro-batches per step.
+SGD_SPLITS = [(2, 8, 2), (1, 8, 4)]
+SGD_OVERRIDES = ["optimizer.name=sgd", "optimizer.learning_rate=0.1", "optimizer.grad_clip_norm=0"]
+# Measured over five steps: losses within 2.2e-7 relative (LOSS_RTOL applies), params
+# within 1.8e-7 absolute: round-off of gradients summed in another order, times the
+# learning rate, summed over steps with momentum. 1e-6 keeps a 5x margin; a summed
+# gradient moves the params by (K - 1) x lr x |g| per step, orders of magnitude more.
+SGD_PARAM_ATOL = 1e-6
 
 
 def small_config(name, devices, per_device):
@@ -52,7 +74,7 @@ def small_config(name, devices, per_device):
             f"train.steps={STEPS}",
             "train.log_every=1",
             "train.eval_every=0",
-            "train.eval_batches=1",
+            "train.eval_examples=32",
             "optimizer.warmup_steps=2",
             "mesh.data=-1",
         ],
@@ -61,7 +83,11 @@ def small_config(name, devices, per_device):
 
 
 def reference_run(config, init_params):
-    """Plain full-batch training on one device with optax.adamw."""
+    """Plain full-batch training on one device with optax (adamw, or sgd with momentum).
+
+    Returns the loss and the gradient's global norm (before clipping) of every step, and the
+    params before every step and after the last (STEPS + 1 entries).
+    """
     o = config.optimizer
     with nnx.use_eager_sharding(False):
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
@@ -73,7 +99,14 @@ def reference_run(config, init_params):
         o.learning_rate * o.final_lr_fraction,
     )
     matrices = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
-    tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=matrices)
+    if o.name == "adamw":
+        tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=matrices)
+    else:  # sgd: L2 weight decay on matrices added to the gradient, then heavy-ball momentum
+        assert o.name == "sgd"
+        tx = optax.chain(
+            optax.add_decayed_weights(o.weight_decay, mask=matrices),
+            optax.sgd(schedule, momentum=o.momentum or None),
+        )
     if o.grad_clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), tx)
 
@@ -85,23 +118,29 @@ def reference_run(config, init_params):
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     source, _ = make_sources(config)
     params = jax.device_put(init_params, jax.devices()[0])
-    opt_state, losses = tx.init(params), []
+    opt_state, losses, grad_norms = tx.init(params), [], []
+    trajectory = [jax.device_get(params)]
     for i in range(STEPS):
         batch = source[global_batch_rows(i, 32, len(source), config.train.seed)]
-        params, opt_state, loss = step(params, opt_state, batch["inputs"], batch["targets"])
+        params, opt_state, loss, grad_norm = step(
+            params, opt_state, batch["inputs"], batch["targets"]
+        )
         losses.append(float(loss))
-    return np.array(losses), jax.device_get(params)
+        grad_norms.append(float(grad_norm))
+        trajectory.append(jax.device_get(params))
+    return np.array(losses), np.array(grad_norms), trajectory
 
 
-@pytest.mark.parametrize("name", ["mlp_digits", "lm_tiny"])
-def test_seed_splits_match_a_full_batch_reference(name):
+def run_splits(name, splits, overrides=()):
+    """{split: (losses, grad_norms, final params)} of jaxkit training each split."""
     runs = {}
-    for devices, per_device, accum in SEED_SPLITS:
+    for devices, per_device, accum in splits:
         config = small_config(name, devices, per_device)
+        apply_overrides(config, list(overrides))
         result = train(
             config, devices=jax.devices()[:devices], progress=False, echo=lambda *a: None
         )
@@ -111,23 +150,62 @@ def test_seed_splits_match_a_full_batch_reference(name):
             per_device,
             accum,
         )
-        losses = np.array([r["loss"] for r in result.records if "loss" in r])
-        assert len(losses) == STEPS
+        logged = [r for r in result.records if "loss" in r]
+        assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
         assert int(result.state.step) == STEPS and int(result.state.micro_step) == STEPS * accum
-        runs[(devices, per_device, accum)] = (losses, jax.device_get(result.state.params))
+        runs[(devices, per_device, accum)] = (
+            np.array([r["loss"] for r in logged]),
+            np.array([r["grad_norm"] for r in logged]),
+            jax.device_get(result.state.params),
+        )
+    return runs
 
-    # Same seed, same init: the reference starts from the params jaxkit initialises.
+
+def reference_for(name, overrides=()):
+    """The full-batch reference, from the params jaxkit initialises (same seed, same init)."""
     config = small_config(name, 1, 32)
+    apply_overrides(config, list(overrides))
     mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:1])
     setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
     init = jax.device_get(setup.init(jax.random.key(config.train.seed)).params)
-    ref_losses, ref_params = reference_run(config, init)
+    return reference_run(config, init)
+
+
+def max_param_diff(params, ref_params):
+    return max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
+    )
+
+
+@pytest.mark.parametrize("name", ["mlp_digits", "lm_tiny"])
+def test_seed_splits_match_a_full_batch_reference(name):
+    runs = run_splits(name, SEED_SPLITS)
+    ref_losses, ref_grad_norms, trajectory = reference_for(name)
+    ref_params = trajectory[-1]
     assert ref_losses[-1] < ref_losses[0]  # the reference itself trains
 
-    for split, (losses, params) in runs.items():
+    for split, (losses, grad_norms, params) in runs.items():
         np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=str(split))
-        worst = max(
-            float(np.max(np.abs(a - b)))
-            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
+        np.testing.assert_allclose(
+            grad_norms, ref_grad_norms, rtol=GRAD_NORM_RTOL, err_msg=f"grad_norm {split}"
         )
+        worst = max_param_diff(params, ref_params)
         assert worst < PARAM_ATOL, (split, worst)
+
+
+@pytest.mark.parametrize("name", ["mlp_digits", "lm_tiny"])
+def test_accumulated_sgd_matches_a_full_batch_reference(name):
+    """With an optimizer that feels the gradient's scale: MultiSteps must average."""
+    runs = run_splits(name, SGD_SPLITS, SGD_OVERRIDES)
+    ref_losses, ref_grad_norms, trajectory = reference_for(name, SGD_OVERRIDES)
+    ref_params = trajectory[-1]
+    assert ref_losses[-1] < ref_losses[0]  # the reference itself trains
+
+    for split, (losses, grad_norms, params) in runs.items():
+        np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=str(split))
+        np.testing.assert_allclose(
+            grad_norms, ref_grad_norms, rtol=GRAD_NORM_RTOL, err_msg=f"grad_norm {split}"
+        )
+        worst = max_param_diff(params, ref_params)
+        assert worst < SGD_PARAM_ATOL, (split, worst)

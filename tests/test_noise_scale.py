@@ -5,14 +5,25 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from test_equivalence import STEPS, reference_for, small_config
 
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.models import cross_entropy
+from jaxkit.loop import train
+from jaxkit.models import build_model, cross_entropy
 from jaxkit.noise_scale import NoiseScale, unbiased_estimates
 from jaxkit.train_step import build
+
+# The logged estimates against ones recomputed from float32 gradients taken here: the
+# squared norms agree to ~2e-7 relative (summation order), and the |G|² estimate, a
+# difference B_big·|G_big|² − B_small·|G_small|², amplifies that by its condition number,
+# (B_big·big + B_small·small) / |B_big·big − B_small·small|, about 6 on these smoothed
+# values. Measured: within 5.8e-7 relative (fused |G|², step 1), 1e-7 elsewhere. 5e-6 keeps
+# an 8x margin; a wrong B_small (per-device rows for a micro-batch: 1 for 8) is off by
+# tens of percent to 27x, a missing bias correction by 1/(1 − dⁿ).
+NOISE_RTOL = 5e-6
 
 
 def test_estimates_match_linear_regression_in_closed_form():
@@ -111,8 +122,6 @@ def test_the_step_reports_the_small_batch_gradient_norm(accumulation):
 
 
 def test_a_run_logs_the_noise_scale_and_the_summary_names_it(tmp_path):
-    from jaxkit.loop import train
-
     config = load_config("mlp_digits")
     apply_overrides(
         config,
@@ -124,3 +133,61 @@ def test_a_run_logs_the_noise_scale_and_the_summary_names_it(tmp_path):
     s = result.summary
     assert s["grad_var_estimate"] > 0 and s["grad_sq_estimate"] > 0
     assert s["noise_scale"] == pytest.approx(s["grad_var_estimate"] / s["grad_sq_estimate"])
+
+
+@pytest.mark.parametrize("accumulation", ["multisteps", "fused"])
+def test_logged_noise_scale_matches_one_computed_from_micro_batch_gradients(accumulation):
+    """8 devices × 1 row × K = 4 for five adamw steps; every logged estimate recomputed here.
+
+    The params of each step come from the plain optax full-batch reference of
+    test_equivalence (the same trajectory up to round-off); each step's gradients at those
+    params are taken here with jax.grad, per micro-batch (8 rows) and per row. The small
+    batch is a micro-batch under MultiSteps (B_small = 8) and one device's row when fused
+    (B_small = 1); the big batch is the step's 32 rows. Then appendix A.1 of McCandlish et
+    al.: unbiased |G|² and tr Σ per step, an exponential moving average of each (decay d,
+    from zero), divided by 1 − dⁿ after n steps.
+    """
+    decay, k, global_batch = 0.8, 4, 32
+    overrides = [f"train.accumulation={accumulation}", f"train.noise_scale_decay={decay}"]
+    config = small_config("mlp_digits", 8, 1)
+    apply_overrides(config, overrides)
+    result = train(config, devices=jax.devices(), progress=False, echo=lambda *a: None)
+    assert result.plan.grad_accum_steps == k and result.plan.micro_batch_size == 8
+    logged = [r for r in result.records if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    assert all(r["skipped_micro_batches"] == 0 for r in logged)
+
+    _, _, trajectory = reference_for("mlp_digits", overrides)
+    with nnx.use_eager_sharding(False):
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
+    source, _ = data_lib.make_sources(config)
+
+    @jax.jit
+    def grad_sq(params, inputs, targets):  # |∇ mean loss over these rows|²
+        def loss(p):
+            logits = nnx.merge(graphdef, p)(inputs)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+        return optax.tree.norm(jax.grad(loss)(params)) ** 2
+
+    b_small = 8 if accumulation == "multisteps" else 1
+    grad_sq_avg = trace_avg = 0.0
+    for step, record in enumerate(logged):
+        params = trajectory[step]  # before this step's update
+        rows = source[data_lib.global_batch_rows(step, global_batch, len(source), 0)]
+        x, y = rows["inputs"], rows["targets"]
+        # Small batches: the step's rows in consecutive groups of B_small (micro-batch m is
+        # rows [8m, 8m + 8); fused, one row per device, where order does not matter).
+        groups = [slice(i, i + b_small) for i in range(0, global_batch, b_small)]
+        small_sq = np.mean([float(grad_sq(params, x[g], y[g])) for g in groups])
+        big_sq = float(grad_sq(params, x, y))
+        g2 = (global_batch * big_sq - b_small * small_sq) / (global_batch - b_small)
+        trace = (small_sq - big_sq) / (1 / b_small - 1 / global_batch)
+        grad_sq_avg = decay * grad_sq_avg + (1 - decay) * g2
+        trace_avg = decay * trace_avg + (1 - decay) * trace
+        correction = 1 - decay ** (step + 1)
+        expected_g2, expected_trace = grad_sq_avg / correction, trace_avg / correction
+        assert record["grad_sq_estimate"] == pytest.approx(expected_g2, rel=NOISE_RTOL)
+        assert record["grad_var_estimate"] == pytest.approx(expected_trace, rel=NOISE_RTOL)
+        assert expected_g2 > 0  # so B_simple is defined and logged
+        assert record["noise_scale"] == pytest.approx(expected_trace / expected_g2, rel=NOISE_RTOL)
