@@ -100,5 +100,5 @@ def test_sgd_with_momentum_trains_through_multisteps():
     losses = [r["loss"] for r in result.records if "loss" in r]
     assert losses[-1] < 1.0  # from log(10) = 2.30 at init
     assert result.summary["eval_accuracy"] > 0.8
-    with pytest.raises(ConfigError, match="not one of adamw, sgd"):
+    with pytest.raises(ConfigError, match=r"optimizer\.name='lion': must be one of adamw, sgd"):
         train(digits("optimizer.name=lion"), progress=False, echo=lambda *a: None)
