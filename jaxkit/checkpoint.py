@@ -59,6 +59,7 @@ RESUMABLE_KEYS = (
     "train.eval_",  # eval_every, eval_examples (and the eval_batches of older runs)
     "train.profile_steps",
     "train.max_nonfinite_in_row",
+    "train.noise_scale_decay",  # smooths a logged estimate; training does not read it
     "train.accumulation",  # both modes keep MultiSteps' state layout
     "checkpoint.",
 )
@@ -108,7 +109,7 @@ def _from_micro_step_numbering(micro_step: int, meta: dict) -> dict:
     """
     plan = meta["plan"]
     step, micro = divmod(micro_step, plan["grad_accum_steps"])
-    loop = dict(meta["loop"], step=step, micro=micro)
+    loop = dict(meta["loop"], step=step, micro=micro, legacy_micro_steps=micro_step)
     loop["examples_seen"] = step * plan["global_batch_size"]
     return dict(meta, loop=loop, format=FORMAT, legacy_name=str(micro_step))
 
@@ -187,7 +188,7 @@ class Checkpointer:
         """The state saved at optimizer step `step`, placed as `abstract_state` says."""
         return _restore(self.manager, step, abstract_state)
 
-    def _micro_step_numbered(self) -> ocp.CheckpointManager | None:
+    def micro_step_numbered(self) -> ocp.CheckpointManager | None:
         """The checkpoints of a workdir written under the micro-step numbering, if any."""
         manager = _manager(self.directory, create=False)
         return manager if manager.all_steps() else None
@@ -203,7 +204,7 @@ class Checkpointer:
         before it.
         """
         candidates = [(self.manager, step, None) for step in reversed(self.steps())]
-        old = None if candidates else self._micro_step_numbered()
+        old = None if candidates else self.micro_step_numbered()
         if old is not None:
             candidates = self._by_progress(old)
         for manager, step, legacy_meta in candidates:
@@ -265,7 +266,10 @@ class Checkpointer:
 
     def _set_aside(self, manager: ocp.CheckpointManager, step: int, err: Exception) -> None:
         name = self._name(manager, step)
-        aside = self.directory / f"{name}.unreadable"
+        aside, n = self.directory / f"{name}.unreadable", 1
+        while aside.exists():  # set aside before: keep both
+            n += 1
+            aside = self.directory / f"{name}.unreadable-{n}"
         self.warn(
             f"warning: checkpoint {name} is unreadable "
             f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); moved to {aside.name}, "
@@ -380,6 +384,8 @@ def resume(
     change of device count. A changed global batch is refused unless `allow_batch_change`,
     a changed train.steps unless it grows and `allow_longer`.
     """
+    if not checkpointer.steps() and checkpointer.micro_step_numbered() is None:
+        return None  # a new workdir
     current = config.to_dict()
     new_plan = plan.to_json()
 
@@ -445,12 +451,12 @@ def resume(
         )
         state = empty_accumulator(state)
         position = dataclasses.replace(position, micro=0)
-    # The micro-step counter counts under this run's plan.
-    counter = jax.device_put(
-        jnp.asarray(position.step * plan.grad_accum_steps + position.micro, jnp.int32),
-        setup.state_shardings.micro_step,
-    )
-    state = state.replace(micro_step=counter)
+    if redone:  # the micro-step counter goes back to the step's start as well
+        counter = jax.device_put(
+            jnp.asarray(int(state.micro_step) - redone, jnp.int32),
+            setup.state_shardings.micro_step,
+        )
+        state = state.replace(micro_step=counter)
     return Restored(position=position, state=state, meta=meta, redone_micro_steps=redone)
 
 

@@ -288,7 +288,25 @@ def _start_jax(host_devices: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", host_devices or DEFAULT_HOST_DEVICES)
 
 
+INTERRUPTED = 130  # the shell's status for a Ctrl-C
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before training started (a run saves on it instead)
+        print("jaxkit: interrupted", file=sys.stderr)
+        code = INTERRUPTED
+    if code == INTERRUPTED:
+        # XLA's threads can crash the interpreter's teardown after a Ctrl-C (status 139 or
+        # -11 instead of 130): leave now, with what was printed flushed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     opts = parse_args(argv)
     if opts.command == "report":
         return _report(opts)  # reads files only: JAX need not start
@@ -563,7 +581,7 @@ def _experiment(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> 
         return 2
     except experiments.Interrupted:
         print(f"interrupted: partial report at {pathlib.Path(out).resolve()}/report.md")
-        return 130
+        return INTERRUPTED
     print(f"report: {path.resolve()}")
     return 0
 

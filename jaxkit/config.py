@@ -264,6 +264,20 @@ def _text(*, nullable: bool) -> Rule:
     return check
 
 
+def _text_file(value: object) -> str | None:
+    """null (the default corpus), or a readable, non-empty local file."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        return "must be null (the default corpus) or the path of a text file"
+    path = pathlib.Path(value).expanduser()
+    if not path.is_file():
+        return "is not a file"
+    if path.stat().st_size == 0:
+        return "is an empty file"
+    return None
+
+
 def _null(why: str) -> Rule:
     return lambda value: None if value is None else f"must be null: {why}"
 
@@ -276,6 +290,8 @@ def _mesh_axis(value: object) -> str | None:
 
 _POSITIVE = _integer(1)
 _COUNT = _integer(0)  # 0 has a documented meaning (off, or every row)
+# Optimizer step counts are int32 in optax (and the schedules read them): 2**31 overflows.
+_STEPS = _integer(1, 2**31)
 _FRACTION_OPEN = _number(0, 1, open_low=False, open_high=True)  # [0, 1)
 
 # Every key of base_config(), and its constraint.
@@ -290,14 +306,14 @@ BASE_RULES: dict[str, Rule] = {
     "optimizer.learning_rate": _number(0, open_low=True, open_high=False),
     "optimizer.lr_scaling": _one_of(*LR_SCALINGS),
     "optimizer.reference_batch_size": _integer(1, nullable=True),
-    "optimizer.warmup_steps": _COUNT,
+    "optimizer.warmup_steps": _integer(0, 2**31),
     "optimizer.final_lr_fraction": _number(0, 1, open_low=False, open_high=False),
     "optimizer.weight_decay": _number(0, open_low=False, open_high=False),
     "optimizer.b1": _FRACTION_OPEN,
     "optimizer.b2": _FRACTION_OPEN,
     "optimizer.momentum": _FRACTION_OPEN,
     "optimizer.grad_clip_norm": _number(0, open_low=False, open_high=False),
-    "train.steps": _POSITIVE,
+    "train.steps": _STEPS,
     # jax.random.key keeps 32 bits: seed 2**32 would initialize exactly as seed 0.
     "train.seed": _integer(0, 2**32),
     "train.log_every": _POSITIVE,
@@ -341,7 +357,7 @@ OPTIONAL_RULES: dict[str, dict[str, Rule]] = {
 }
 # Keys only one data source reads: required with that source, checked wherever present.
 SOURCE_RULES: dict[str, dict[str, Rule]] = {
-    "text": {"data.path": _text(nullable=True), "data.max_bytes": _POSITIVE},
+    "text": {"data.path": _text_file, "data.max_bytes": _POSITIVE},
     "synthetic": {"data.num_examples": _POSITIVE},
     "digits": {},
 }

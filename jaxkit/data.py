@@ -64,7 +64,7 @@ class TokenWindows:
     seq_len: int
 
     def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
+        return max(len(self.tokens) - 1, 0) // self.seq_len
 
     def __getitem__(self, rows: np.ndarray) -> Rows:
         starts = np.asarray(rows, dtype=np.int64)[:, None] * self.seq_len
@@ -75,7 +75,7 @@ class TokenWindows:
         """Entropy in nats/byte of the byte frequencies: what a context-free model achieves."""
         counts = np.bincount(self.tokens, minlength=256).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
-        return float(-(p * np.log(p)).sum())
+        return float(-(p * np.log(p)).sum()) + 0.0  # + 0.0: one repeated byte gives 0, not -0
 
 
 def stdlib_corpus(max_bytes: int) -> bytes:

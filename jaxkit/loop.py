@@ -31,7 +31,7 @@ from jaxkit.batch_plan import BatchPlan, plan_from_config
 from jaxkit.checkpoint import Checkpointer, Restored, resume
 from jaxkit.config import ConfigError, config_to_json, parse_profile_steps, validate
 from jaxkit.distributed import check_agreement
-from jaxkit.metrics import RunDir, read_metrics
+from jaxkit.metrics import RunDir, truncate_metrics
 from jaxkit.records import (
     StepTracker,
     eval_record,
@@ -98,8 +98,8 @@ def train(
 
     With a workdir, the run checkpoints (every `checkpoint.every` optimizer steps, on SIGTERM
     or SIGINT, and at the end) and resumes from the workdir's latest checkpoint, also on
-    another device count. `stop_after_micro_steps` stops as a preemption would, after that
-    many micro-steps in all (for tests and notebooks).
+    another device count. `stop_after_micro_steps` stops as a preemption would, once the
+    run's micro-steps in all (counted across resumes) reach it (for tests and notebooks).
     """
     validate(config)  # every value, before any work (the CLI has checked them already)
     t, seed = config.train, config.train.seed
@@ -151,21 +151,27 @@ def train(
     if position.step >= t.steps and workdir is not None:
         if checkpointer:
             checkpointer.close()
-        return _finished_run(config, plan, state, workdir, tracker, eval_source, echo)
+        saved_events = restored.meta["loop"].get("events", []) if restored else []
+        return _finished_run(
+            config, plan, state, workdir, position, saved_events, tracker, eval_source, echo
+        )
 
+    # What changed at this resume: logged once, and kept in the checkpoints saved at this
+    # step, so that a later resume from one of them keeps them in the log.
+    events = resume_events(restored, config, plan) if restored else []
     run_dir = None
     if workdir is not None and jax.process_index() == 0:
         # Whatever an earlier attempt logged past the step this run starts from goes.
-        run_dir = RunDir(workdir, resume_after_step=position.step)
+        saved_events = restored.meta["loop"].get("events", []) if restored else []
+        run_dir = RunDir(workdir, resume_after_step=position.step, saved_events=saved_events)
         run_dir.write_json("config.json", config_to_json(config))
         run_dir.write_json("plan.json", plan.to_json())
         run_dir.write_text("plan", "\n".join("    " + line for line in plan.table().splitlines()))
         run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
-        if restored:
-            for event in resume_events(restored, config, plan):
-                run_dir.log(event)
-            # A run extended past its end (--allow-longer) is unfinished again.
-            (as_path(workdir) / "summary.json").unlink(missing_ok=True)
+        for event in events:
+            run_dir.log_once(event)  # not twice: the checkpoint may hold it already
+        # A summary belongs to a finished run; this one is not (again, or yet).
+        (as_path(workdir) / "summary.json").unlink(missing_ok=True)
     records: list[dict] = []
 
     def emit(record: dict) -> None:
@@ -174,11 +180,19 @@ def train(
             run_dir.log(record)
         (bar.write if progress else echo)(format_record(record))
 
+    kept_micro = 0  # micro-steps in a checkpoint of the same step that a save found on disk
+
     def save(at: data_lib.Position, *, wait: bool = False) -> bool:
+        nonlocal kept_micro
         if checkpointer is None:
             return False
         meta = {"config": config_to_json(config), "plan": plan.to_json()}
-        return checkpointer.save(at, state, dict(meta, loop=tracker.loop_state(at)), wait=wait)
+        loop_state = tracker.loop_state(at)
+        loop_state["events"] = [e for e in events if e["step"] == at.step]
+        saved = checkpointer.save(at, state, dict(meta, loop=loop_state), wait=wait)
+        if not saved:
+            kept_micro = int(checkpointer.read_meta(at.step)["loop"].get("micro", 0))
+        return saved
 
     start = time.perf_counter()
     bar = tqdm.tqdm(
@@ -201,6 +215,7 @@ def train(
     profile_dir = as_path(workdir) / "profile" if workdir is not None else None
     tracing, stop_signal, stopped_at, saved = False, None, position, False
     examples = position.examples  # where the current optimizer step starts reading
+    micro_steps = int(jax.device_get(state.micro_step))  # in all, across resumes
     # With several processes, JAX's preemption service takes SIGTERM and agrees on the
     # micro-step at which every process stops, so all save the same checkpoint.
     multi_process = jax.process_count() > 1
@@ -231,16 +246,19 @@ def train(
                         if pending is not None:
                             _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
                         pending = (step, micro, metrics)
-                        done_micro = step * accum_steps + micro + 1
+                        micro_steps += accum_steps if fused else 1
                         if (
                             stop_after_micro_steps is not None
-                            and done_micro >= stop_after_micro_steps
+                            and micro_steps >= stop_after_micro_steps
                             and not stop
                         ):
                             stop.append("stop_after_micro_steps")
+                        # A preemption notice reached every process: all stop here.
                         if (
-                            multi_process and not stop and reached_preemption_sync_point(done_micro)
-                        ):  # a preemption notice reached every process: all stop here
+                            multi_process
+                            and not stop
+                            and reached_preemption_sync_point(micro_steps)
+                        ):
                             stop.append("SIGTERM")
                         if stop and micro < accum_steps - 1:  # mid-step: save right here
                             stop_signal = stop[0]
@@ -280,7 +298,7 @@ def train(
             if run_dir:
                 run_dir.close()
     if stop_signal:
-        echo(_stop_message(stop_signal, stopped_at, saved, checkpointer, accum_steps))
+        echo(_stop_message(stop_signal, stopped_at, saved, kept_micro, checkpointer, accum_steps))
         return RunResult(plan=plan, state=state, records=records, summary={}, stopped=True)
     summary = summarize(config, plan, records, tracker, eval_source, time.perf_counter() - start)
     if checkpointer:
@@ -303,7 +321,7 @@ def resume_events(
             {
                 "event": "plan_change",
                 "step": at.step,
-                "micro_step": at.step * plan.grad_accum_steps + at.micro,
+                "micro_step": int(jax.device_get(restored.state.micro_step)),
                 "examples_seen": at.examples,
                 "from_plan": meta["plan"],
                 "to_plan": plan.to_json(),
@@ -344,18 +362,25 @@ def _finished_run(
     plan: BatchPlan,
     state: TrainState,
     workdir: str | os.PathLike,
+    position: data_lib.Position,
+    saved_events: Sequence[dict],
     tracker: StepTracker,
     eval_source: data_lib.Source,
     echo: Callable[[str], None],
 ) -> RunResult:
     """A rerun on a finished workdir: nothing to train. A run that finished without its
-    summary (killed between the last checkpoint and the summary) gets one from its log."""
+    summary (killed between the last checkpoint and the summary, or extended by
+    --allow-longer and abandoned) gets one from its log, up to its checkpoint."""
     echo(f"{workdir} holds a finished run of {config.train.steps} steps; nothing to do")
     summary_file = as_path(workdir) / "summary.json"
+    metrics_file = as_path(workdir) / "metrics.jsonl"
+    records = []
+    if metrics_file.exists() and jax.process_index() == 0:
+        # What an abandoned attempt logged past the checkpoint is not part of this run.
+        records = truncate_metrics(workdir, position.step, saved_events)
     if summary_file.exists():
         summary = json.loads(summary_file.read_text())
     else:
-        records = read_metrics(workdir) if (as_path(workdir) / "metrics.jsonl").exists() else []
         records = [r for r in records if "event" not in r]
         summary = summarize(config, plan, records, tracker, eval_source, 0.0)
         summary["rebuilt_from"] = "metrics.jsonl"  # no timings: they were never logged whole
@@ -369,6 +394,7 @@ def _stop_message(
     signal_name: str,
     at: data_lib.Position,
     saved: bool,
+    kept_micro: int,
     checkpointer: Checkpointer | None,
     accum_steps: int,
 ) -> str:
@@ -384,7 +410,8 @@ def _stop_message(
         )
     return (
         f"stopped by {signal_name}: checkpoint step_{at.step} was already saved and is kept; "
-        f"stopped at {where} (resuming redoes the {at.micro} micro-steps since, exactly); "
+        f"stopped at {where} (resuming redoes the {at.micro - kept_micro} micro-steps since, "
+        "exactly); "
         "run the same command to resume"
     )
 

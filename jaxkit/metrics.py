@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 
 import tensorboardX
 
@@ -59,16 +60,18 @@ class RunDir:
         workdir: str | os.PathLike,
         resume_after_step: int | None = None,
         *,
+        saved_events: Sequence[dict] = (),
         upload_every_s: float = UPLOAD_EVERY_S,
     ):
         """`resume_after_step`: drop what was logged after that step (a resumed run logs it
-        again, from its checkpoint)."""
+        again, from its checkpoint), and the events logged at it that the checkpoint does
+        not hold (`saved_events`: an attempt that died before saving logged them)."""
         self.path = as_path(workdir)
         make_dirs(self.path)
         metrics = self.path / "metrics.jsonl"
+        self._kept: list[dict] = []  # what earlier attempts logged, up to the resumed step
         if resume_after_step is not None and metrics.exists():
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_after_step]
-            self.write_lines("metrics.jsonl", [json.dumps(r) for r in kept])
+            self._kept = truncate_metrics(self.path, resume_after_step, saved_events)
         self._remote = not is_local(self.path)
         self._upload_every_s = upload_every_s
         self._uploaded_at = -math.inf
@@ -93,6 +96,11 @@ class RunDir:
             purge_step=None if resume_after_step is None else resume_after_step + 1,
             filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}",
         )
+
+    def log_once(self, record: dict) -> None:
+        """Logs `record` unless the run's history (as its checkpoint holds it) has it."""
+        if _as_logged(record) not in self._kept:
+            self.log(record)
 
     def write_lines(self, name: str, lines: list[str]) -> None:
         # A crash never leaves half a file: see write_text_atomic for local paths and URLs.
@@ -137,6 +145,30 @@ class RunDir:
         if self._remote:
             self._upload()  # if this fails, the staging directory is left for a manual copy
             shutil.rmtree(self._local, ignore_errors=True)
+
+
+def _as_logged(record: dict) -> dict:
+    """`record` as metrics.jsonl gives it back."""
+    return json.loads(json.dumps({k: _jsonable(v) for k, v in record.items()}))
+
+
+def truncate_metrics(
+    workdir: str | os.PathLike, step: int, saved_events: Sequence[dict] = ()
+) -> list[dict]:
+    """Drops what was logged past optimizer step `step` (a resumed run logs it again), and
+    events at `step` but those in `saved_events`; returns the records kept."""
+    saved = [_as_logged(e) for e in saved_events]
+
+    def kept(record: dict) -> bool:
+        if record.get("step", 0) == step and "event" in record:
+            return record in saved  # logged at a resume that its checkpoint outlived
+        return record.get("step", 0) <= step
+
+    kept_records = [r for r in read_metrics(workdir) if kept(r)]
+    write_text_atomic(
+        as_path(workdir) / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in kept_records)
+    )
+    return kept_records
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict]:

@@ -58,6 +58,10 @@ class StepTracker:
         self.all_times: list[float] = []
         self.nonfinite_in_row = 0
         self.skipped = 0
+        # The two counters as they stood when the current optimizer step began: what a
+        # redone half-step goes back to.
+        self.in_row_at_step_start = 0
+        self.micro_steps = 0  # micro-steps fetched in all, across resumes and splits
         self.first_step_s = 0.0  # the first optimizer step: warm-up, kept out of throughput
         self.first_step_done = False
         self.last_mark = time.perf_counter()
@@ -70,8 +74,10 @@ class StepTracker:
             "micro": position.micro,
             "examples_seen": position.examples,
             "partial_step_losses": list(self.losses),  # micro-batches of an unfinished step
+            "micro_steps": self.micro_steps,
             "skipped_micro_batches": self.skipped,
             "nonfinite_in_row": self.nonfinite_in_row,
+            "nonfinite_in_row_at_step_start": self.in_row_at_step_start,
             "partial_step_small_grad_sq": list(self.small_grad_sq),
             "partial_step_nonfinite": self.step_nonfinite,
             "noise_scale": self.noise_scale.state() if self.noise_scale else None,
@@ -89,7 +95,16 @@ class StepTracker:
             self.noise_scale.load(saved["noise_scale"])
         self.skipped = int(saved["skipped_micro_batches"])
         self.nonfinite_in_row = int(saved["nonfinite_in_row"])
+        self.in_row_at_step_start = int(
+            saved.get("nonfinite_in_row_at_step_start", self.nonfinite_in_row)
+        )
         self.examples_seen = int(saved["examples_seen"])
+        # Records of the micro-step numbering counted micro-steps under the saved plan.
+        self.micro_steps = int(saved.get("micro_steps", saved.get("legacy_micro_steps", 0)))
+        if not partial_step and saved.get("micro"):  # the half-step is redone: undo its counts
+            self.skipped -= int(saved.get("partial_step_nonfinite", 0))
+            self.nonfinite_in_row = self.in_row_at_step_start
+            self.micro_steps -= int(saved["micro"])
 
     def restart_clock(self) -> None:
         self.last_mark = time.perf_counter()
@@ -97,6 +112,7 @@ class StepTracker:
     def micro_step_done(self, step: int, micro: int, metrics: dict[str, jax.Array]) -> dict | None:
         """Takes a fetched micro-step; returns the step's record when it ends a log window."""
         m = jax.device_get(metrics)
+        self.micro_steps += self.plan.grad_accum_steps if self.fused else 1
         self.losses.append(float(m["loss"]))
         self.small_grad_sq.append(float(m["small_grad_sq"]))
         nonfinite = int(m["nonfinite"])  # micro-batches whose gradient was dropped
@@ -132,6 +148,7 @@ class StepTracker:
         if self.noise_scale and self.step_nonfinite == 0 and grad_norm is not None:
             self.noise_scale.update(float(np.mean(self.small_grad_sq)), grad_norm**2)
         self.small_grad_sq, self.step_nonfinite = [], 0
+        self.in_row_at_step_start = self.nonfinite_in_row
         record = self._record(done, grad_norm)
         self.losses = []
         return record
@@ -141,7 +158,7 @@ class StepTracker:
         step_time = statistics.mean(self.window_times) if self.window_times else self.first_step_s
         record = {
             "step": done,
-            "micro_step": done * plan.grad_accum_steps,
+            "micro_step": self.micro_steps,
             "loss": float(np.mean(self.losses)),  # mean over the global batch
             "learning_rate": float(self.setup.schedule(done - 1)),
             "grad_norm": grad_norm,
@@ -175,7 +192,7 @@ class StepTracker:
 
 
 def eval_record(done: int, plan: BatchPlan, result: dict, tracker: StepTracker) -> dict:
-    record = {"step": done, "micro_step": done * plan.grad_accum_steps, **result}
+    record = {"step": done, "micro_step": tracker.micro_steps, **result}
     record["examples_seen"] = tracker.examples_seen
     if plan.seq_len is not None:
         record["tokens_seen"] = record["examples_seen"] * plan.seq_len
@@ -258,7 +275,7 @@ def format_summary(s: dict) -> str:
             f"{s['flops_per_s'] / 1e9:,.3g} GFLOP/s per device{mfu}"
         )
     if s["eval_loss"] is not None:
-        if "unigram_entropy" in s:
+        if s.get("unigram_entropy"):  # 0 for a held-out split of one repeated byte
             h = s["unigram_entropy"]
             lines.append(
                 f"  eval loss {s['eval_loss']:.3f} nats/byte vs unigram entropy {h:.3f} "

@@ -92,8 +92,11 @@ def summary_row(run: dict) -> dict:
     train = [r for r in run["records"] if "loss" in r]
     evals = [r for r in run["records"] if "eval_loss" in r]
     plan = run["plan"] or {}
-    times = [r["step_time_s"] for r in train[1:]]  # the first window includes compilation
+    # The first window includes compilation. Each record's own rate: a run resumed with
+    # another global batch has steps of both sizes.
+    times = [r["step_time_s"] for r in train[1:]]
     step_time = statistics.median(times) if times else None
+    rates = [r["examples_per_s"] for r in train[1:]]
     return {
         "run": run["name"],
         "status": "finished" if run["summary"] else "running or interrupted",
@@ -105,7 +108,7 @@ def summary_row(run: dict) -> dict:
         "final_loss": train[-1]["loss"] if train else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
         "median_step_time_s": step_time,
-        "examples_per_s": plan["global_batch_size"] / step_time if step_time and plan else None,
+        "examples_per_s": statistics.median(rates) if rates else None,
     }
 
 

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resume elsewhere, refusals, corruption (in-process)."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ from jaxkit import loop as loop_lib
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.checkpoint import Checkpointer, CheckpointError, abstract_state, empty_accumulator
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import make_sources
+from jaxkit.data import make_sources, stream_rows
 from jaxkit.loop import train
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.metrics import read_metrics
@@ -83,7 +84,7 @@ def test_resume_at_a_boundary_on_fewer_devices_re_derives_accumulation(tmp_path)
         run(config, workdir, stop_after_micro_steps=3)  # after 3 optimizer steps on 8
         resumed = run(config, workdir, devices=devices)
         assert resumed.plan.grad_accum_steps == k
-        assert int(resumed.state.micro_step) == 6 * k  # the counter is re-based at the move
+        assert int(resumed.state.micro_step) == 3 + 3 * k  # micro-steps in all, both splits
         records = [r for r in read_metrics(workdir) if "loss" in r]
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
         np.testing.assert_allclose([r["loss"] for r in records], full_losses, rtol=LOSS_RTOL)
@@ -238,7 +239,9 @@ def test_a_run_moved_2_8_8_devices_with_stops_finishes_every_step_once(tmp_path)
     ckpt = Checkpointer(workdir / "checkpoints", keep=3, warn=print)
     assert ckpt.steps() == [2, 3]  # 3: three steps done and two micro-batches of the 4th
     assert ckpt.read_meta(3)["loop"]["micro"] == 2
-    second = run(config, workdir, devices=8, stop_after_micro_steps=6)  # K=1: after step 6
+    # Micro-steps count across resumes: 12 before step 4 (the half-step is redone), then
+    # one per step at K=1, so 15 is the end of step 6.
+    second = run(config, workdir, devices=8, stop_after_micro_steps=15)
     assert second.stopped and second.plan.grad_accum_steps == 1
     ckpt.manager.reload()
     assert ckpt.steps() == [3, 4, 6]  # only ever growing
@@ -337,7 +340,7 @@ def test_a_workdir_numbered_by_micro_step_is_resumed_from_its_most_advanced_chec
     full = run(config, tmp_path / "full", devices=8)
     workdir = tmp_path / "old"
     run(config, workdir, devices=2, stop_after_micro_steps=16)  # K=4: steps 2 and 4 saved
-    run(config, workdir, devices=8, stop_after_micro_steps=6)  # K=1: steps 6 saved
+    run(config, workdir, devices=8, stop_after_micro_steps=18)  # 16 + 2 at K=1: step 6
     ckpt_dir = workdir / "checkpoints"
     # As the old numbering had them: [6 (K=1), 8 (K=4, step 2), 16 (K=4, step 4)].
     for step, micro_step in ((2, 8), (4, 16), (6, 6)):
@@ -446,3 +449,124 @@ def result_schedule(config):
         max(steps, o.warmup_steps + 1),
         o.learning_rate * o.final_lr_fraction,
     )
+
+
+class CrashError(RuntimeError):
+    """A crash in the middle of a run: nothing is saved on the way out."""
+
+
+def crash_at_step(monkeypatch, step):
+    """Makes the run die (as kill -9 would, for what is on disk) when it logs `step`."""
+    real = loop_lib.format_record
+
+    def format_record(record):
+        if record.get("step") == step and "loss" in record:
+            raise CrashError(f"crashed at step {step}")
+        return real(record)
+
+    monkeypatch.setattr(loop_lib, "format_record", format_record)
+
+
+def test_an_abandoned_extension_leaves_the_finished_run_as_it_was(tmp_path, monkeypatch):
+    finished = run(digits(), tmp_path)  # 6 steps
+    before = json.loads((tmp_path / "summary.json").read_text())
+    crash_at_step(monkeypatch, 9)
+    with pytest.raises(CrashError):  # --allow-longer to 12 steps, dead at step 9, never saved
+        run(digits("train.steps=12"), tmp_path, allow_longer=True)
+    monkeypatch.undo()
+    again = run(digits(), tmp_path)  # back to the finished 6-step run
+    after = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("steps", "final_loss", "eval_loss", "eval_accuracy"):
+        assert after[key] == before[key] == finished.summary[key], key
+    assert again.summary == after
+    assert max(r["step"] for r in read_metrics(tmp_path)) == 6
+    assert not [r for r in read_metrics(tmp_path) if r.get("event") == "steps_change"]
+
+
+def test_a_redone_half_step_counts_its_non_finite_micro_batches_once(tmp_path, monkeypatch):
+    # Poison the rows of micro-batches 0 and 1 of step 2 on 2 devices × 4 rows (K=4): a
+    # streak of 2 there. Redone on 8 devices (one micro-batch of 32), step 2 is one bad
+    # micro-batch: a streak of 1 and 1 skipped in all, as an uninterrupted 8-device run.
+    config = digits("train.max_nonfinite_in_row=3")
+    n = len(make_sources(config)[0])
+    bad = stream_rows(2 * 32, 16, n, seed=0)
+    real = loop_lib.data_lib.make_sources
+
+    def poisoned(c):
+        train_source, eval_source = real(c)
+        inputs = train_source.inputs.copy()
+        inputs[bad] = np.nan
+        return dataclasses.replace(train_source, inputs=inputs), eval_source
+
+    monkeypatch.setattr(loop_lib.data_lib, "make_sources", poisoned)
+    first = run(config, tmp_path / "cut", devices=2, stop_after_micro_steps=10)
+    assert first.stopped  # 2 micro-batches into step 2, both non-finite
+    resumed = run(config, tmp_path / "cut", devices=8)
+    full = run(config, tmp_path / "full", devices=8)
+    assert resumed.summary["skipped_micro_batches"] == full.summary["skipped_micro_batches"] == 1
+    assert [r["skipped_micro_batches"] for r in read_metrics(tmp_path / "cut") if "loss" in r] == [
+        r["skipped_micro_batches"] for r in full.records if "loss" in r
+    ]
+
+
+def test_a_restart_from_scratch_drops_the_old_summary(tmp_path):
+    run(digits("checkpoint.keep=1"), tmp_path)
+    (tmp_path / "checkpoints" / "step_6" / "meta" / "metadata").write_text("not json")
+    messages = []
+    stopped = train(
+        digits("checkpoint.keep=1"),
+        tmp_path,
+        devices=jax.devices(),
+        progress=False,
+        echo=messages.append,
+        stop_after_micro_steps=3,
+    )
+    assert stopped.stopped and any("starting from scratch" in m for m in messages)
+    assert not (tmp_path / "summary.json").exists()  # the run is not finished
+    assert max(r["step"] for r in read_metrics(tmp_path)) == 3
+
+
+def test_a_checkpoint_set_aside_twice_keeps_both_copies(tmp_path):
+    config = digits("checkpoint.every=2", "checkpoint.keep=5")
+    run(config, tmp_path, stop_after_micro_steps=4)
+    ckpt_dir = tmp_path / "checkpoints"
+    (ckpt_dir / "step_4.unreadable").mkdir()  # an earlier fallback at the same step
+    (ckpt_dir / "step_4" / "meta" / "metadata").write_text("not json")
+    warnings = []
+    train(config, tmp_path, progress=False, echo=warnings.append)
+    assert any("moved to step_4.unreadable-2" in w for w in warnings), warnings
+    assert (ckpt_dir / "step_4.unreadable").is_dir()
+
+
+def test_a_new_workdir_starts_without_a_warning(tmp_path):
+    messages = []
+    train(digits("train.steps=2"), tmp_path, progress=False, echo=messages.append)
+    assert not [m for m in messages if "warning" in m], messages
+
+
+def test_a_kept_checkpoint_names_the_micro_steps_resuming_redoes(tmp_path):
+    config = digits("batch.per_device_batch_size=1")  # 8 × 1 × K=4
+    run(config, tmp_path, stop_after_micro_steps=10)  # step_2 holds 2 of step 3's 4
+    messages = []
+    train(config, tmp_path, progress=False, echo=messages.append, stop_after_micro_steps=11)
+    (line,) = [m for m in messages if m.startswith("stopped by")]
+    assert "checkpoint step_2 was already saved and is kept" in line
+    assert "+ 3 of 4 micro-steps" in line and "redoes the 1 micro-steps since" in line
+
+
+def test_an_attempt_that_dies_before_saving_does_not_log_its_events_twice(tmp_path, monkeypatch):
+    run(digits(), tmp_path, stop_after_micro_steps=2)
+    bigger = digits("batch.global_batch_size=64")
+    crash_at_step(monkeypatch, 3)
+    with pytest.raises(CrashError):
+        run(bigger, tmp_path, allow_batch_change=True)
+    monkeypatch.undo()
+    run(bigger, tmp_path, allow_batch_change=True)
+    changes = [r for r in read_metrics(tmp_path) if r.get("event") == "plan_change"]
+    assert len(changes) == 1 and changes[0]["step"] == 2
+
+
+def test_a_changed_noise_scale_decay_resumes(tmp_path):
+    run(digits(), tmp_path, stop_after_micro_steps=2)
+    resumed = run(digits("train.noise_scale_decay=0.5"), tmp_path)  # only smooths a metric
+    assert not resumed.stopped and int(resumed.state.step) == 6

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -282,6 +283,8 @@ def test_heads_and_uneven_shards_are_refused_before_compiling(tmp_path):
         (["report", "no/such/run"], "no/such/run has no metrics.jsonl"),
         (["train", "mlp_digits", "--workdir", ""], "--workdir: an empty path"),
         (["report", "run", "--out", " "], "--out: an empty path"),
+        (["experiment", "equivalence", "mlp_digits", "--splits", ""], "--splits: '' is not"),
+        (["train", "lm_tiny", "data.eval_fraction=1e-17"], "the eval split is empty"),
     ],
 )
 def test_usage_errors_exit_2_without_a_traceback(line, message):
@@ -299,3 +302,21 @@ def test_unwritable_output_directories_are_refused_first(tmp_path):
         out = jaxkit(*line)
         _refused(out, f"{blocker} is a file, not a directory")
         assert "workdir:" not in out.stdout  # refused before the run starts
+
+
+def test_ctrl_c_before_training_starts_exits_130(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxkit", "train", "lm_tiny", "--workdir", str(tmp_path / "r")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    for line in proc.stdout:  # the plan is printed, then the step compiles for seconds
+        if line.startswith("batch plan"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert "jaxkit: interrupted" in err and "Traceback" not in err

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -5,7 +6,7 @@ from PIL import Image
 
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.loop import train
-from jaxkit.report import PLOTS
+from jaxkit.report import PLOTS, load_run, summary_row
 
 
 def tiny_run(workdir, per_device):
@@ -62,3 +63,31 @@ def test_report_refuses_a_directory_that_is_not_a_run(tmp_path):
         timeout=120,
     )
     assert out.returncode == 2 and "not a jaxkit run directory" in out.stderr
+
+
+def test_throughput_of_a_run_whose_global_batch_changed_is_its_steps_own(tmp_path):
+    # Four log windows at a global batch of 16 (160 examples/s), then two at 64 (320/s):
+    # the run never went faster than 320 examples/s.
+    records = [
+        {
+            "step": s,
+            "loss": 1.0,
+            "examples_seen": 16 * s,
+            "step_time_s": 0.1,
+            "examples_per_s": 160.0,
+        }
+        for s in range(1, 5)
+    ] + [
+        {
+            "step": s,
+            "loss": 1.0,
+            "examples_seen": 64 + 64 * (s - 4),
+            "step_time_s": 0.2,
+            "examples_per_s": 320.0,
+        }
+        for s in range(5, 7)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "plan.json").write_text(json.dumps({"global_batch_size": 64}))
+    row = summary_row(load_run(tmp_path))
+    assert row["examples_per_s"] == 160.0  # the median window: 3 of the 5 counted ran at 160

@@ -53,8 +53,8 @@ BAD = [
     ("mlp_digits", "batch.global_batch_size=0", "batch.global_batch_size=0: must be null or an"),
     ("mlp_digits", "batch.grad_accum_steps=-1", "batch.grad_accum_steps=-1"),
     ("mlp_digits", "train.log_every=0", "train.log_every=0: must be an integer ≥ 1"),
-    ("mlp_digits", "train.steps=0", "train.steps=0: must be an integer ≥ 1"),
-    ("mlp_digits", "train.steps=-5", "train.steps=-5: must be an integer ≥ 1"),
+    ("mlp_digits", "train.steps=0", "train.steps=0: must be an integer in [1, 2147483648)"),
+    ("mlp_digits", "train.steps=-5", "train.steps=-5: must be an integer in [1, 2147483648)"),
     ("mlp_digits", "train.seed=-1", "train.seed=-1: must be an integer in [0, 4294967296)"),
     ("mlp_digits", "train.seed=4294967296", "train.seed=4294967296"),
     ("mlp_digits", "train.eval_every=-1", "train.eval_every=-1: must be an integer ≥ 0"),
@@ -105,6 +105,12 @@ BAD = [
     ("lm_tiny", "data.max_bytes=0", "data.max_bytes=0: must be an integer ≥ 1"),
     ("lm_tiny", "data.source=digits", "data.source='digits': must be one of text, synthetic"),
     ("lm_tiny", "data.eval_fraction=1.5", "data.eval_fraction=1.5: must be in (0, 1)"),
+    # Optimizer step counts are int32: past 2**31 they overflow while compiling.
+    ("mlp_digits", "optimizer.warmup_steps=3000000000", "optimizer.warmup_steps=3000000000"),
+    ("mlp_digits", "train.steps=2147483648", "train.steps=2147483648: must be an integer in"),
+    ("lm_tiny", "data.path=", "data.path='': must be null (the default corpus) or the path"),
+    ("lm_tiny", "data.path=/nonexistent/corpus.txt", "data.path='/nonexistent/corpus.txt': is"),
+    ("lm_tiny", "data.path=/", "data.path='/': is not a file"),
 ]
 
 
@@ -209,3 +215,9 @@ def test_uneven_shards_are_refused_naming_the_key_and_axis(name, overrides, shap
         check_mesh_divides(config, mesh_shape)
     assert message in str(err.value)
     check_mesh_divides(config, {"data": math.prod(shape), "fsdp": 1, "tensor": 1})
+
+
+def test_an_empty_text_file_is_refused(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert "is an empty file" in _refusal(_config("lm_tiny", f"data.path={empty}"))

@@ -49,7 +49,7 @@ def run(
     echo: Callable[[str], None],
 ) -> pathlib.Path:
     g = plan_from_config(config, {"data": 1, "fsdp": 1, "tensor": 1}).global_batch_size
-    splits = parse_splits(options.splits) if options.splits else default_splits(g)
+    splits = default_splits(g) if options.splits is None else parse_splits(options.splits)
     for split in splits:
         if split.devices * split.per_device * split.accum != g:
             raise ExperimentError(
