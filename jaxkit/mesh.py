@@ -31,6 +31,37 @@ RULES = {
 }
 
 
+# Activation layout, by logical dimension: rows over the batch axes, attention heads and MLP
+# units over tensor, everything else whole. Without it GSPMD lays activations out along the
+# model dimension the fsdp params are sharded on, and moves them around every matmul.
+ACTIVATIONS: dict[str, str | tuple[str, ...] | None] = {
+    "batch": BATCH_AXES,
+    "heads": "tensor",
+    "mlp": "tensor",
+}
+
+
+def constrain(x: jax.Array, *dims: str | None) -> jax.Array:
+    """`x` laid out as ACTIVATIONS says for its logical `dims` (None: not sharded).
+
+    A no-op outside a mesh (a model called on its own); inside a partly manual shard_map,
+    the manual axes are left out (each device already holds its own rows there).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    manual = set(mesh.manual_axes)
+
+    def axes(dim: str | None) -> str | tuple[str, ...] | None:
+        names = ACTIVATIONS.get(dim) if dim else None
+        if names is None:
+            return None
+        kept = tuple(n for n in ((names,) if isinstance(names, str) else names) if n not in manual)
+        return kept or None
+
+    return jax.lax.with_sharding_constraint(x, P(*(axes(d) for d in dims)))
+
+
 class MeshError(ValueError):
     """Mesh axis sizes that do not match the devices."""
 

@@ -14,7 +14,7 @@ import ml_collections
 from flax import nnx
 
 from jaxkit.config import ConfigError
-from jaxkit.mesh import RULES
+from jaxkit.mesh import RULES, constrain
 
 
 def _linear(
@@ -62,10 +62,11 @@ class MLPClassifier(nnx.Module):
         self.head = _linear(hidden_size, num_classes, "logits", "vector", rngs=rngs)
 
     def __call__(self, x_BxI: jax.Array) -> jax.Array:
-        h = x_BxI
-        for layer in self.hidden:
-            h = jax.nn.relu(layer(h))
-        return self.head(h)  # logits_BxC
+        h = constrain(x_BxI, "batch", None)
+        for i, layer in enumerate(self.hidden):
+            # Alternate in/out roles: in_proj outputs are hidden units (tensor-sharded).
+            h = constrain(jax.nn.relu(layer(h)), "batch", "mlp" if i % 2 == 0 else None)
+        return constrain(self.head(h), "batch", None)  # logits_BxC
 
 
 class Block(nnx.Module):
@@ -89,12 +90,16 @@ class Block(nnx.Module):
         H = self.num_heads
         h_BxLxD = self.ln_attn(x_BxLxD)
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
-            proj(h_BxLxD).reshape(B, L, H, D // H) for proj in (self.query, self.key, self.value)
+            constrain(proj(h_BxLxD).reshape(B, L, H, D // H), "batch", None, "heads", None)
+            for proj in (self.query, self.key, self.value)
         )
         a_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
-        x_BxLxD = x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, D))
-        h_BxLxF = jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD)))
-        return x_BxLxD + self.mlp_out(h_BxLxF)
+        a_BxLxHxK = constrain(a_BxLxHxK, "batch", None, "heads", None)
+        x_BxLxD = constrain(
+            x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, D)), "batch", None, None
+        )
+        h_BxLxF = constrain(jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD))), "batch", None, "mlp")
+        return constrain(x_BxLxD + self.mlp_out(h_BxLxF), "batch", None, None)
 
 
 class TransformerLM(nnx.Module):
@@ -131,10 +136,14 @@ class TransformerLM(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         L = tokens_BxL.shape[1]
-        x_BxLxD = self.embed(tokens_BxL) + self.pos_embed[:L]
+        # The table whole before the lookup (FSDP gathers every param for its layer anyway):
+        # a gather from a table sharded on d_model cannot make rows sharded by batch.
+        table_VxD = constrain(self.embed.embedding[...], None, None)
+        x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0) + self.pos_embed[:L]
+        x_BxLxD = constrain(x_BxLxD, "batch", None, None)
         for block in self.blocks:
             x_BxLxD = block(x_BxLxD)
-        return self.head(self.ln_final(x_BxLxD))  # logits_BxLxV
+        return constrain(self.head(self.ln_final(x_BxLxD)), "batch", None, None)  # logits_BxLxV
 
 
 def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:

@@ -169,13 +169,13 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
     else:
         raise ConfigError(f"train.accumulation={accumulation!r} is not one of multisteps, fused")
     step = jax.jit(
-        step_fn,
+        on_mesh(step_fn, mesh),
         in_shardings=(state_shardings, step_batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnames="state",
     )
     evaluate = jax.jit(
-        functools.partial(eval_step, graphdef=graphdef),
+        on_mesh(functools.partial(eval_step, graphdef=graphdef), mesh),
         in_shardings=(state_shardings.params, batch_sharding),
         out_shardings=replicated,
     )
@@ -185,7 +185,7 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
         schedule=schedule,
         state_shardings=state_shardings,
         batch_sharding=batch_sharding,
-        init=jax.jit(init, out_shardings=state_shardings),
+        init=jax.jit(on_mesh(init, mesh), out_shardings=state_shardings),
         accumulation=accumulation,
         fused_batch_sharding=fused_batch_sharding,
         step=step,
@@ -212,6 +212,18 @@ def check_fused_mesh(shape: dict[str, int], accumulation: str) -> None:
             "train.accumulation=multisteps on this mesh, or a data-parallel mesh "
             "(mesh.fsdp=1 mesh.tensor=1) for fused mode."
         )
+
+
+def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """`fn`, traced with `mesh` as the abstract mesh: the model's activation constraints
+    (mesh.constrain) then apply; the shardings at the jit boundary are unchanged."""
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def _all_finite(tree: Any) -> jax.Array:
