@@ -30,7 +30,7 @@ jax.config.update("jax_num_cpu_devices", args.host_devices)
 from jaxkit.batch_plan import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import load_global_batch, load_micro_batch, make_sources
-from jaxkit.hlo import count_all_reduces
+from jaxkit.hlo import bytes_per_call, collectives, runs_per_call
 from jaxkit.loop import train
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.train_step import build
@@ -65,9 +65,9 @@ def all_reduced_bytes_per_step(config) -> tuple[int, int]:
         batch, calls = load_global_batch(source, 0, plan, 0, setup.fused_batch_sharding), 1
     else:
         batch, calls = load_micro_batch(source, 0, 0, plan, 0, setup.batch_sharding), k
-    counts = count_all_reduces(setup.step.lower(state, batch).compile().as_text())
-    assert counts.inside_loops == 0
-    return calls * counts.per_call(k), calls * counts.bytes_outside_loops
+    found = collectives(setup.step.lower(state, batch).compile().as_text(), mesh_shape(mesh))
+    ops = calls * runs_per_call(found, "all-reduce", loop_trips=k)
+    return ops, calls * bytes_per_call(found, "all-reduce", loop_trips=k)
 
 
 def main() -> None:

@@ -1,20 +1,22 @@
-"""Fused accumulation: one jit call and one gradient all-reduce per optimizer step.
+"""Fused accumulation: one jit call and one gradient reduction across "data" per step.
 
 `optax.MultiSteps` called once per micro-batch all-reduces the gradient K times per
 optimizer step, and so does a `lax.scan` under plain jit (XLA keeps the all-reduce inside
-the loop). Here `jax.shard_map` makes each device sum its own micro-batch gradients over a
-local scan, and a single `pmean` crosses devices once per optimizer step. The loss, the
-model and the inner optimizer are the ones the MultiSteps step uses, and the state keeps
-MultiSteps' layout, so checkpoints move between the modes at optimizer-step boundaries.
+the loop). Here `jax.shard_map`, manual over the "data" axis only, makes each data group
+sum its own micro-batch gradients over a local scan, and a single `pmean` crosses "data"
+once per optimizer step. Inside a group the "fsdp" and "tensor" axes stay with the
+compiler: params, gradients and the accumulator keep the params' sharding (the gradient is
+reduce-scattered over "fsdp" at each micro-step, so the accumulator is sharded, as
+MaxText's default), and the tensor axis splits the work as it does in MultiSteps mode. The
+loss, the model and the inner optimizer are the ones the MultiSteps step uses, and the
+state keeps MultiSteps' layout, so checkpoints move between the modes at optimizer-step
+boundaries.
 
 A step in which any micro-batch is non-finite is skipped as a whole: the devices only learn
 of it after the local sums, when a micro-batch can no longer be taken out. Params and the
 optimizer's moments stay as they were; its step counts advance with `gradient_step`, so
 the learning-rate schedule and the optimizer step stay one count, as in MultiSteps mode
 (where a bad micro-batch adds a zero gradient and the step is applied).
-
-Params enter the step whole (`in_specs=P()`), so this mode runs only on meshes whose
-params are replicated: fsdp and tensor sizes of 1 (see train_step.build).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxkit.mesh import BATCH_AXES
 from jaxkit.models import cross_entropy
 
 
@@ -43,10 +44,9 @@ def fused_train_step(
     """One optimizer step on a (K, micro_batch, ...) batch: local scan, one pmean."""
     accum_steps = jax.tree.leaves(batch)[0].shape[0]
 
-    def local(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
-        # Replicated params are invariant across the batch axes; grad would then insert its
-        # own psum. Marking them varying keeps the gradient local until the one pmean below.
-        params = jax.tree.map(lambda p: jax.lax.pcast(p, BATCH_AXES, to="varying"), params)
+    def accumulate(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
+        """Mean gradient, mean loss, non-finite micro-batches and mean |micro-batch
+        gradient|² over this group's rows of the K micro-batches, summed in a local scan."""
 
         def micro(grad_sum: Any, mb: dict[str, jax.Array]) -> tuple[Any, tuple]:
             def loss_fn(p: Any) -> jax.Array:
@@ -58,27 +58,34 @@ def fused_train_step(
             return jax.tree.map(jnp.add, grad_sum, grads), (loss, ~finite, norm**2)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grad_sum, (losses, nonfinite, local_sq) = jax.lax.scan(micro, zeros, batch_KxB)
-        # The one cross-device reduction of the step: the mean over all K × devices shards
-        # equals the mean gradient of the global batch (equal-sized micro-batches). It also
-        # carries each device's micro-batch gradient norms, for the noise scale.
-        grads, loss, bad, small_sq = jax.lax.pmean(
-            (
-                jax.tree.map(lambda g: g / accum_steps, grad_sum),
-                jnp.mean(losses),
-                jnp.sum(nonfinite).astype(jnp.float32),
-                jnp.mean(local_sq),
-            ),
-            BATCH_AXES,
+        grad_sum, (losses, nonfinite, small_sq) = jax.lax.scan(micro, zeros, batch_KxB)
+        return (
+            jax.tree.map(lambda g: g / accum_steps, grad_sum),
+            jnp.mean(losses),
+            jnp.sum(nonfinite).astype(jnp.float32),
+            jnp.mean(small_sq),
         )
-        return grads, loss, bad, small_sq
 
-    grads, loss, bad, small_sq = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(P(), P(None, BATCH_AXES)),
-        out_specs=(P(), P(), P(), P()),
-    )(state.params, batch)
+    def per_data_group(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
+        # Params are invariant across "data"; grad would then insert its own psum. Marking
+        # them varying keeps the gradient local until the one pmean below.
+        params = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
+        # The one reduction across "data" of the step: the mean over K micro-batches and
+        # the data groups is the global batch's mean gradient (equal-sized micro-batches).
+        return jax.lax.pmean(accumulate(params, batch_KxB), "data")
+
+    if mesh.shape["data"] == 1:  # no data groups to reduce over (XLA rejects a 1-way one)
+        grads, loss, bad, small_sq = accumulate(state.params, batch)
+    else:
+        # Manual over "data" only: fsdp and tensor stay with the compiler, which keeps
+        # params, gradients and the accumulator sharded as the params are.
+        grads, loss, bad, small_sq = jax.shard_map(
+            per_data_group,
+            mesh=mesh,
+            in_specs=(P(), P(None, "data")),
+            out_specs=(P(), P(), P(), P()),
+            axis_names={"data"},
+        )(state.params, batch)
 
     ms = state.opt_state
     updates, inner = tx.inner_opt.update(grads, ms.inner_opt_state, state.params)

@@ -13,8 +13,9 @@ the critical batch size to first order. Each estimate is noisy (|G|² can even c
 negative), so both are smoothed by an exponential moving average before dividing.
 
 In the kit, the small batch is a micro-batch (MultiSteps: data_parallel × per_device rows,
-averaged over the K micro-steps of an optimizer step) or one device's share of it (fused:
-per_device rows, averaged over devices and micro-steps); the big batch is the accumulated
+averaged over the K micro-steps of an optimizer step) or one data group's share of it
+(fused: fsdp × per_device rows, the rows one index of the "data" axis holds, averaged over
+the groups and micro-steps); the big batch is the accumulated
 global batch the optimizer applies.
 """
 
@@ -26,9 +27,11 @@ from jaxkit.batch_plan import BatchPlan
 
 
 def small_batch_size(plan: BatchPlan, accumulation: str) -> int:
-    """Rows behind the step's small-batch gradient: one device's share of a micro-batch in
-    fused mode (its local gradient), a whole micro-batch with MultiSteps."""
-    return plan.per_device_batch_size if accumulation == "fused" else plan.micro_batch_size
+    """Rows behind the step's small-batch gradient: one data group's share of a micro-batch
+    in fused mode (its local gradient), a whole micro-batch with MultiSteps."""
+    if accumulation == "fused":
+        return plan.micro_batch_size // plan.mesh_shape["data"]
+    return plan.micro_batch_size
 
 
 def unbiased_estimates(

@@ -163,7 +163,6 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
         step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx)
         step_batch_sharding = batch_sharding
     elif accumulation == "fused":
-        check_fused_mesh(mesh_lib.mesh_shape(mesh), accumulation)
         step_fn = functools.partial(fused_train_step, graphdef=graphdef, tx=tx, mesh=mesh)
         step_batch_sharding = fused_batch_sharding
     else:
@@ -194,24 +193,8 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
 
 
 def check_on_mesh(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
-    """What the config asks of a mesh of this shape: even shards, and a mode that runs there."""
+    """What the config asks of a mesh of this shape: shards that divide evenly."""
     check_mesh_divides(config, shape)
-    check_fused_mesh(shape, config.train.accumulation)
-
-
-def check_fused_mesh(shape: dict[str, int], accumulation: str) -> None:
-    """Fused accumulation takes params whole into its shard_map: on a mesh that shards them
-    it would gather every one on every device, hold full-size gradients and make the tensor
-    axis repeat the same work. Refused there rather than run at a hidden cost."""
-    if accumulation == "fused" and (shape["fsdp"] > 1 or shape["tensor"] > 1):
-        raise ConfigError(
-            f"train.accumulation=fused runs only where params are replicated (mesh.fsdp=1 and "
-            f"mesh.tensor=1); this mesh is data={shape['data']} × fsdp={shape['fsdp']} × "
-            f"tensor={shape['tensor']}, where fused mode would gather every parameter whole "
-            "on every device and repeat the tensor axis' work. Use "
-            "train.accumulation=multisteps on this mesh, or a data-parallel mesh "
-            "(mesh.fsdp=1 mesh.tensor=1) for fused mode."
-        )
 
 
 def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
