@@ -10,13 +10,15 @@ compiled HLO). Ratios are against data=8 with MultiSteps, in this one run.
 
 Run: python benchmarks/sharding.py [--host-devices 8] [--steps 12] [--wide-steps 3]
      [--repeats 3] [--models default,wide] [--no-run]   (--no-run: compile and count only)
-     [--tpu-topology v5e:2x4]   (compile for a TPU topology, without a TPU; needs libtpu
-                                 installed, and implies --no-run)
-Writes benchmarks/results/sharding.json (sharding-<topology>.json for a TPU topology).
+     [--tpu-topology v5e:2x4]   (compile for a TPU slice, without a TPU: needs libtpu
+                                 installed; implies --no-run)
+     [--gpu-topology 1x1x8]     (compile for a host of 8 GPUs like the one attached,
+                                 slices x hosts x GPUs per host; implies --no-run)
+Writes benchmarks/results/sharding.json (sharding-<topology>.json for a topology).
 
-The CPU backend reduces a sharded gradient with an all-reduce and a slice; the TPU
-compiler emits reduce-scatters, so --tpu-topology shows what the layouts cost on the
-hardware they are for.
+The CPU backend reduces a sharded gradient with an all-reduce and a slice; the TPU and GPU
+compilers emit reduce-scatters, so a topology shows what the layouts cost on the hardware
+they are for.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ parser.add_argument("--wide-steps", type=int, default=3, help="timed steps, wide
 parser.add_argument("--repeats", type=int, default=3, help="rounds over every layout")
 parser.add_argument("--models", default="default,wide")
 parser.add_argument("--no-run", action="store_true", help="compile and count only")
-parser.add_argument("--tpu-topology", help="compile for this TPU topology, e.g. v5e:2x4")
+topology = parser.add_mutually_exclusive_group()
+topology.add_argument("--tpu-topology", help="compile for this TPU topology, e.g. v5e:2x4")
+topology.add_argument("--gpu-topology", help="compile for GPUs like the attached, e.g. 1x1x8")
 parser.add_argument("--out", help="default benchmarks/results/sharding[-TOPOLOGY].json")
 args = parser.parse_args()
 RESULTS = pathlib.Path(__file__).parent / "results"
 if args.out is None:
-    suffix = f"-{args.tpu_topology.replace(':', '-')}" if args.tpu_topology else ""
+    named = args.tpu_topology or (args.gpu_topology and f"gpu-{args.gpu_topology}")
+    suffix = f"-{named.replace(':', '-')}" if named else ""
     args.out = str(RESULTS / f"sharding{suffix}.json")
 
 import jax
@@ -59,6 +64,11 @@ if args.tpu_topology:  # devices of a TPU slice described, not attached: compile
 
     args.no_run = True
     DEVICES = topologies.get_topology_desc(platform="tpu", topology_name=args.tpu_topology).devices
+elif args.gpu_topology:  # the attached GPU's kind, as many as the topology says
+    from jax.experimental import topologies
+
+    args.no_run = True
+    DEVICES = topologies.get_topology_desc(platform="cuda", topology=args.gpu_topology).devices
 else:
     DEVICES = jax.devices()
 
