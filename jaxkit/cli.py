@@ -380,12 +380,13 @@ def _plan(
     counts = _device_counts(opts.device_counts, len(devices))
     _check_counts_shard_evenly(config, counts)
     splits = costs.enumerate_splits(config, counts)
+    dropped = costs.left_out(config, counts, splits)
     if not splits:
-        mesh = " × ".join(f"{axis}={size}" for axis, size in config.mesh.items())
         raise PlanError(
-            f"no device count in {', '.join(map(str, counts))} both fits mesh {mesh} and "
-            f"divides global_batch_size={plan.global_batch_size} over its data × fsdp ranks"
+            "no split on any of the device counts: "
+            + "; ".join(f"{n} devices: {why}" for n, why in dropped.items())
         )
+    counts = sorted({s.devices for s in splits}, reverse=True)
     with tqdm.tqdm(total=len(splits), unit="compile", file=sys.stderr, disable=opts.json) as bar:
 
         def compiled(split: costs.Split) -> None:
@@ -399,6 +400,7 @@ def _plan(
             json.dumps(
                 {
                     "memory_budget_bytes": budget,
+                    "left_out_device_counts": {str(n): why for n, why in dropped.items()},
                     "recommended": chosen.plan.to_json() if chosen else None,
                     "splits": [
                         {"devices": s.devices, **s.plan.to_json(), **s.cost.to_json()}
@@ -415,6 +417,8 @@ def _plan(
         "(argument + output − alias + temp) and FLOPs per optimizer step"
     )
     print(format_table(costs.SPLIT_HEADER, costs.splits_cost_table(splits, budget, chosen)))
+    for n, why in dropped.items():
+        print(f"left out: {n} devices ({why})")
     if budget is None:
         print(f"{devices[0].platform} devices report no memory limit: give --memory-budget SIZE")
     elif chosen is None:

@@ -240,13 +240,10 @@ def enumerate_splits(
     """Every exact (devices, per-device batch, accumulation) for the config's global batch.
 
     On each device count the mesh is the config's (one axis may be -1); counts the mesh
-    cannot use are left out. Ordered by devices (most first), then per-device batch (largest
-    first).
+    cannot use are left out (`left_out` says why). Ordered by devices (most first), then
+    per-device batch (largest first).
     """
-    # The global batch as the config resolves it on the most devices (the live count, from
-    # the CLI): with global_batch_size unset it depends on the data-parallel size.
-    largest = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), max(device_counts))
-    g = plan_from_config(config, largest).global_batch_size
+    g = splits_global_batch(config, device_counts)
     splits = []
     for n in sorted(set(device_counts), reverse=True):
         try:
@@ -254,12 +251,45 @@ def enumerate_splits(
         except mesh_lib.MeshError:
             continue
         dp = shape["data"] * shape["fsdp"]
-        if g % dp:
+        if g is None or g % dp:
             continue
         for b in reversed(divisors(g // dp)):
             plan = plan_from_config(split_config(config, b, g // (dp * b)), shape)
             splits.append(Split(devices=n, plan=plan))
     return splits
+
+
+def splits_global_batch(
+    config: ml_collections.ConfigDict, device_counts: Sequence[int]
+) -> int | None:
+    """The global batch every split makes: the config's, resolved on the most devices the
+    mesh fits (with global_batch_size unset it depends on the data-parallel size); None
+    where the mesh fits none of the counts."""
+    for n in sorted(set(device_counts), reverse=True):
+        try:
+            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), n)
+        except mesh_lib.MeshError:
+            continue
+        return plan_from_config(config, shape).global_batch_size
+    return None
+
+
+def left_out(
+    config: ml_collections.ConfigDict, device_counts: Sequence[int], splits: Sequence[Split]
+) -> dict[int, str]:
+    """Each device count that has no split, and why."""
+    g = splits_global_batch(config, device_counts)
+    present = {s.devices for s in splits}
+    reasons = {}
+    for n in sorted(set(device_counts) - present, reverse=True):
+        try:
+            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), n)
+        except mesh_lib.MeshError as err:
+            reasons[n] = str(err)
+            continue
+        dp = shape["data"] * shape["fsdp"]
+        reasons[n] = f"its data × fsdp = {dp} ranks do not divide global_batch_size={g}"
+    return reasons
 
 
 def with_costs(

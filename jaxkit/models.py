@@ -192,6 +192,16 @@ def check_mesh_divides(config: ml_collections.ConfigDict, mesh_shape: dict[str, 
                     f"and shards must be even. Make {key} a multiple of {mesh_shape[axis]}, "
                     f"or change mesh.{axis}"
                 )
+    heads, tensor = config.model.get("num_heads"), mesh_shape["tensor"]
+    if config.model.kind == "transformer" and heads % tensor:
+        # Attention runs head by head: a head split over devices is gathered whole again at
+        # every layer (XLA's "involuntary full rematerialization"), the work repeated.
+        raise ConfigError(
+            f"model.num_heads={heads} is not divisible by mesh.tensor={tensor}: attention "
+            "heads are split over the tensor axis (jaxkit/mesh.py ACTIVATIONS), and a head "
+            f"cut in parts is gathered whole at every layer. Use a multiple of {tensor} "
+            "heads, or a smaller mesh.tensor"
+        )
 
 
 def token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:

@@ -132,6 +132,20 @@ def _refused(out, *fragments):
         assert fragment in out.stderr, (fragment, out.stderr)
 
 
+def test_all_splits_says_which_device_counts_it_left_out_and_why():
+    # mesh.data=8 fits only 8 of the 8, 4, 2, 1 devices --all-splits considers.
+    out = jaxkit("plan", "mlp_digits", "mesh.data=8", "--all-splits")
+    assert out.returncode == 0, out.stderr
+    assert "every split on 8 cpu devices" in out.stdout
+    for n in (4, 2, 1):
+        assert f"left out: {n} devices (mesh data=8 × fsdp=1 × tensor=1 has" in out.stdout
+    out = jaxkit("plan", "mlp_digits", "mesh.data=8", "--all-splits", "--json")
+    assert sorted(json.loads(out.stdout)["left_out_device_counts"]) == ["1", "2", "4"]
+    # None of the counts asked for: refused, each count with its reason.
+    out = jaxkit("plan", "mlp_digits", "mesh.data=8", "--all-splits", "--device-counts", "4,2")
+    _refused(out, "no split on any of the device counts: 4 devices: mesh data=8", "; 2 devices")
+
+
 def test_plan_options_anywhere_on_the_line():
     lines = [
         ("--host-devices", "2", "--json", "mlp_digits", "batch.per_device_batch_size=8"),
@@ -229,6 +243,10 @@ def test_heads_and_uneven_shards_are_refused_before_compiling(tmp_path):
     _refused(
         jaxkit("plan", "lm_tiny", "model.num_heads=3"),
         "model.d_model=128 is not divisible by model.num_heads=3",
+    )
+    _refused(
+        jaxkit("plan", "lm_tiny", "mesh.data=1", "mesh.tensor=8"),  # 4 heads on 8 devices
+        "model.num_heads=4 is not divisible by mesh.tensor=8",
     )
     uneven_fsdp = ("model.d_model=36", "model.num_heads=4", "mesh.fsdp=8", "mesh.data=1")
     _refused(

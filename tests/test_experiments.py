@@ -41,6 +41,47 @@ def test_equivalence_overlays_the_seed_splits_and_finds_them_equal(tmp_path):
     assert "Partial" not in report
 
 
+def _kib(cell: str) -> float:
+    value, unit = cell.split()
+    return float(value) * {"KiB": 1, "MiB": 1024}[unit]
+
+
+def test_equivalence_runs_the_splits_on_the_configs_mesh(tmp_path):
+    options = experiments.Options(steps=2, splits="4x8x1,2x8x2")
+    quiet = {"echo": lambda s: None}
+    fsdp = experiments.run(
+        "equivalence", _digits("mesh.data=1", "mesh.fsdp=-1"), tmp_path / "f", options, **quiet
+    ).read_text()
+    assert "4×8×1 on 1×4×1, 2×8×2 on 1×2×1" in fsdp
+    data = experiments.run("equivalence", _digits(), tmp_path / "d", options, **quiet).read_text()
+    assert "4×8×1 on 4×1×1, 2×8×2 on 2×1×1" in data
+    # The same split holds less per device when fsdp shards the state...
+    assert _kib(_rows(fsdp, "split")[0][6]) < _kib(_rows(data, "split")[0][6])
+    # ... and trains the same model.
+    assert all(float(r[3]) < 2e-6 for r in _rows(fsdp, "split"))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["mesh.tensor=2"], "split 4×8×1: a split's 4 devices are its data-parallel ranks"),
+        (["mesh.data=4"], "split 2×8×2: mesh data=4 × fsdp=1 × tensor=1 has"),
+        (["mesh.data=1", "mesh.fsdp=-1", "model.hidden_size=126"], "split 4×8×1: model.hidden"),
+    ],
+)
+def test_equivalence_refuses_a_mesh_a_split_cannot_take_before_training(
+    tmp_path, overrides, message
+):
+    with pytest.raises(experiments.ExperimentError, match=message):
+        experiments.run(
+            "equivalence",
+            _digits(*overrides),
+            tmp_path,
+            experiments.Options(steps=2, splits="4x8x1,2x8x2"),
+        )
+    assert not (tmp_path / "report.md").exists()  # refused before any split trained
+
+
 def test_ctrl_c_leaves_a_partial_report_that_says_so(tmp_path, monkeypatch):
     calls = []
     real = equivalence.train_split

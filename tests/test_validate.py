@@ -217,6 +217,17 @@ def test_uneven_shards_are_refused_naming_the_key_and_axis(name, overrides, shap
     check_mesh_divides(config, {"data": math.prod(shape), "fsdp": 1, "tensor": 1})
 
 
+@pytest.mark.parametrize("heads,d_model,tensor", [(4, 128, 8), (3, 96, 2)])
+def test_heads_that_do_not_divide_over_tensor_are_refused(heads, d_model, tensor):
+    # d_model divides over tensor in both, so only the heads can be uneven.
+    config = _config("lm_tiny", f"model.num_heads={heads}", f"model.d_model={d_model}")
+    shape = {"data": 8 // tensor, "fsdp": 1, "tensor": tensor}
+    with pytest.raises(ConfigError, match=f"model.num_heads={heads} is not divisible by mesh"):
+        check_mesh_divides(config, shape)
+    config = _config("lm_tiny", f"model.num_heads={2 * tensor}", f"model.d_model={d_model}")
+    check_mesh_divides(config, shape)  # whole heads on every device
+
+
 def test_an_empty_text_file_is_refused(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")

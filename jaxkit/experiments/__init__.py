@@ -23,8 +23,10 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from jaxkit import mesh as mesh_lib
+from jaxkit.config import ConfigError
 from jaxkit.costs import split_config
 from jaxkit.loop import RunResult, train
+from jaxkit.models import check_mesh_divides
 from jaxkit.workdir import write_text_atomic
 
 U = TypeVar("U")  # one unit of an experiment's work
@@ -185,8 +187,30 @@ def train_split(
             "(--host-devices N simulates more on the CPU)"
         )
     c = split_config(config, split.per_device, split.accum)
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1  # the seeds' splits: data parallel
+    shape = split_mesh(config, split)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape["data"], shape["fsdp"], shape["tensor"]
     return train_unit(c, devices[: split.devices], steps)
+
+
+def split_mesh(config: ml_collections.ConfigDict, split: Split) -> dict[str, int]:
+    """The config's mesh on a split's devices, every one of them a data-parallel rank (the
+    seeds' D × B × K is the global batch): data × fsdp, as the config divides them."""
+    try:
+        shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), split.devices)
+    except mesh_lib.MeshError as err:
+        raise ExperimentError(f"split {split.name}: {err}") from None
+    if shape["tensor"] != 1:
+        raise ExperimentError(
+            f"split {split.name}: a split's {split.devices} devices are its data-parallel "
+            f"ranks (devices × per-device batch × accumulation = the global batch), but "
+            f"mesh.tensor={shape['tensor']} would give several of them the same rows; use "
+            "mesh.tensor=1 (data and fsdp both split the batch)"
+        )
+    try:
+        check_mesh_divides(config, shape)
+    except ConfigError as err:
+        raise ExperimentError(f"split {split.name}: {err}") from None
+    return shape
 
 
 def live_mesh(config: ml_collections.ConfigDict) -> tuple[list[jax.Device], dict[str, int]]:

@@ -24,6 +24,7 @@ from jaxkit.experiments import (
     drive,
     new_figure,
     parse_splits,
+    split_mesh,
     train_split,
 )
 from jaxkit.viz import loss_curve
@@ -56,6 +57,7 @@ def run(
                 f"split {split.name} makes a global batch of "
                 f"{split.devices * split.per_device * split.accum}, not the config's {g}"
             )
+    meshes = {split: split_mesh(config, split) for split in splits}  # all refused up front
     steps = options.steps or DEFAULT_STEPS
     devices = jax.devices()
     results: dict[Split, dict[str, Any]] = {}
@@ -74,7 +76,13 @@ def run(
         report.text(
             f"Config `{config.get('name')}`, global batch {g}, {steps} optimizer steps per "
             "split, same seed and data order. A split is devices × per_device_batch_size × "
-            "grad_accum_steps; each trains from the same initial parameters."
+            "grad_accum_steps; each trains from the same initial parameters. Meshes "
+            "(data × fsdp × tensor): "
+            + ", ".join(
+                f"{split.name} on {shape['data']}×{shape['fsdp']}×{shape['tensor']}"
+                for split, shape in meshes.items()
+            )
+            + "."
         )
         if not results:
             return
