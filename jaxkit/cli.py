@@ -11,12 +11,14 @@ import datetime
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import jax
     import ml_collections
+
+    from jaxkit.targets import Target
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
 COMMANDS = ("plan", "train", "experiment", "report")
@@ -29,7 +31,13 @@ EXPERIMENT_OPTIONS = {
     "lr_scaling": ("batch-size",),
     "max_per_device_batch": ("memory", "throughput"),
     "rss_points": ("memory",),
+    "target": ("memory",),
 }
+TARGET_HELP = (
+    "a Cloud TPU slice to plan for, from any machine: an accelerator type (v5litepod-16, "
+    "v4-32, v5p-8, v6e-8) or a topology (v5e:4x4, v4:2x2x4). The TPU compiler (libtpu) "
+    "compiles for its chips; nothing runs; the memory budget defaults to a chip's HBM"
+)
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:
@@ -96,6 +104,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="find the largest per-device batch under the memory budget by compile-only search",
     )
+    plan.add_argument("--target", metavar="TARGET", help=TARGET_HELP)
     return plan
 
 
@@ -174,6 +183,7 @@ def _add_experiment(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         metavar="N",
         help="memory: measured points (CPU; default 3, 0 = none)",
     )
+    experiment.add_argument("--target", metavar="TARGET", help="memory: " + TARGET_HELP)
     return experiment
 
 
@@ -226,6 +236,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _ignored_option(opts: argparse.Namespace) -> str | None:
     """An option this command line would ignore, said as a usage error."""
+    if getattr(opts, "target", None) is not None:
+        if opts.host_devices is not None:
+            return "--host-devices does not apply with --target: the plan is for the slice's chips"
+        if getattr(opts, "device_counts", None) is not None:
+            return (
+                "--device-counts does not apply with --target: the plan is for the whole "
+                "slice (plan a smaller slice as a target of its own)"
+            )
     if opts.command == "plan":
         if opts.all_splits and opts.max_per_device_batch:
             return "--all-splits and --max-per-device-batch are two modes: give one"
@@ -279,11 +297,15 @@ def _load_config(args: list[str]) -> ml_collections.ConfigDict:
     return config
 
 
-def _start_jax(host_devices: int | None) -> None:
-    """Sets the device count before JAX starts its backend (it cannot change afterwards)."""
+def _start_jax(host_devices: int | None, cpu_only: bool = False) -> None:
+    """Sets the device count before JAX starts its backend (it cannot change afterwards).
+
+    `cpu_only`: the command compiles for a described TPU slice and needs no live
+    accelerator (nor libtpu's search for one).
+    """
     import jax
 
-    if host_devices is not None:
+    if host_devices is not None or cpu_only:
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", host_devices or DEFAULT_HOST_DEVICES)
 
@@ -316,7 +338,15 @@ def _main(argv: list[str] | None) -> int:
         config = _load_config(opts.args)
     except ConfigError as err:
         return _error(err)
-    _start_jax(opts.host_devices)
+    target = getattr(opts, "target", None)
+    if target is not None:
+        from jaxkit.targets import TargetError, parse_target
+
+        try:
+            opts.target = parse_target(target)
+        except TargetError as err:
+            return _error(err)
+    _start_jax(opts.host_devices, cpu_only=target is not None)
     if opts.command == "train":
         from jaxkit.distributed import DistributedError, initialize
 
@@ -332,18 +362,22 @@ def _main(argv: list[str] | None) -> int:
     from jaxkit.checkpoint import CheckpointError
     from jaxkit.data import DataError
     from jaxkit.distributed import DistributedError
+    from jaxkit.targets import TargetError, target_devices
     from jaxkit.train_step import check_on_mesh
 
     try:
-        # Every command runs the config's mesh on the live devices: its shards must be even.
-        shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(jax.devices()))
+        # Every command runs the config's mesh on its devices (the live ones, or a described
+        # TPU slice's): its shards must be even.
+        devices = target_devices(opts.target) if target is not None else jax.devices()
+        shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
         check_on_mesh(config, shape)
         if opts.command == "plan":
-            return _plan(config, shape, opts)
+            return _plan(config, shape, opts, devices)
         if opts.command == "experiment":
-            return _experiment(config, opts)
+            return _experiment(config, opts, devices)
         return _train(config, opts)
     except (
+        TargetError,
         ConfigError,
         BatchPlanError,
         mesh_lib.MeshError,
@@ -356,28 +390,57 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _plan(
-    config: ml_collections.ConfigDict, shape: dict[str, int], opts: argparse.Namespace
+    config: ml_collections.ConfigDict,
+    shape: dict[str, int],
+    opts: argparse.Namespace,
+    devices: Sequence[jax.Device],
 ) -> int:
-    import jax
     import tqdm
 
     from jaxkit import costs
     from jaxkit.batch_plan import format_table, plan_from_config
 
-    devices = jax.devices()
-    plan = plan_from_config(config, shape)  # the configured plan must hold on the live mesh
+    target = opts.target
+    plan = plan_from_config(config, shape)  # the configured plan must hold on this mesh
+    budget = _memory_budget(opts.memory_budget, devices[0], target)
+    slice_info: dict[str, object] = {}
+    if target is not None:
+        from jaxkit.targets import batch_shards_per_host
+
+        shards = batch_shards_per_host(devices, shape)
+        slice_info = {
+            "target": target.name,
+            "topology": target.topology,
+            "device_kind": target.generation.device_kind,
+            "num_devices": target.chips,
+            "num_hosts": target.hosts,
+            "memory_budget_bytes": budget,
+            "batch_shards_per_host": shards,
+        }
+        if not opts.json:
+            print(f"target: {target.describe()}")
+            print(
+                f"each host loads {shards} of the {plan.data_parallel_size} per-device "
+                f"batches of a micro-step: rows per host per micro-step: "
+                f"{shards * plan.per_device_batch_size} (of {plan.micro_batch_size})"
+            )
     if not (opts.all_splits or opts.max_per_device_batch):
-        print(json.dumps(plan.to_json()) if opts.json else plan.table())
+        if opts.json:
+            rows = {"rows_per_host": shards * plan.per_device_batch_size} if target else {}
+            print(json.dumps({**plan.to_json(), **slice_info, **rows}))
+        else:
+            print(plan.table())
         return 0
-    budget = _memory_budget(opts.memory_budget, devices[0])
     if opts.max_per_device_batch:
         if budget is None:
             raise PlanError(
                 f"{devices[0].platform} devices report no memory limit: give --memory-budget, "
                 "e.g. --memory-budget 2GiB"
             )
-        return _max_batch(config, devices, budget, opts.json)
-    counts = _device_counts(opts.device_counts, len(devices))
+        return _max_batch(config, devices, budget, opts.json, slice_info)
+    counts = (
+        [len(devices)] if target is not None else _device_counts(opts.device_counts, len(devices))
+    )
     _check_counts_shard_evenly(config, counts)
     splits = costs.enumerate_splits(config, counts)
     dropped = costs.left_out(config, counts, splits)
@@ -399,6 +462,7 @@ def _plan(
         print(
             json.dumps(
                 {
+                    **slice_info,
                     "memory_budget_bytes": budget,
                     "left_out_device_counts": {str(n): why for n, why in dropped.items()},
                     "recommended": chosen.plan.to_json() if chosen else None,
@@ -411,9 +475,10 @@ def _plan(
             )
         )
         return 0
+    kind = devices[0].device_kind if target is not None else devices[0].platform
     print(
         f"global_batch_size={plan.global_batch_size}: every split on {', '.join(map(str, counts))} "
-        f"{devices[0].platform} devices, compiled per-device memory "
+        f"{kind} devices, compiled per-device memory "
         "(argument + output − alias + temp) and FLOPs per optimizer step"
     )
     print(format_table(costs.SPLIT_HEADER, costs.splits_cost_table(splits, budget, chosen)))
@@ -464,9 +529,12 @@ def _check_can_write(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {probe} is not writable")
 
 
-def _memory_budget(text: str | None, device: jax.Device) -> int | None:
+def _memory_budget(text: str | None, device: jax.Device, target: Target | None) -> int | None:
+    """--memory-budget, else a target chip's HBM, else what the live device reports."""
     from jaxkit import costs
 
+    if text is None and target is not None:
+        return target.generation.hbm_bytes
     if text is None:
         return costs.device_memory_bytes(device)
     try:
@@ -511,7 +579,13 @@ def _check_counts_shard_evenly(config: ml_collections.ConfigDict, counts: list[i
             raise PlanError(f"--device-counts {n}: {err}") from None
 
 
-def _max_batch(config: ml_collections.ConfigDict, devices: list, budget: int, as_json: bool) -> int:
+def _max_batch(
+    config: ml_collections.ConfigDict,
+    devices: Sequence[jax.Device],
+    budget: int,
+    as_json: bool,
+    slice_info: dict[str, object],
+) -> int:
     from jaxkit import costs
 
     result = costs.max_per_device_batch(
@@ -530,6 +604,7 @@ def _max_batch(config: ml_collections.ConfigDict, devices: list, budget: int, as
         print(
             json.dumps(
                 {
+                    **slice_info,
                     "memory_budget_bytes": budget,
                     "max_per_device_batch_size": result.per_device_batch_size,
                     "memory_bytes": result.cost.memory_bytes if result.cost else None,
@@ -561,7 +636,9 @@ def _default_dir(name: str) -> str:
     return os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
 
 
-def _experiment(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
+def _experiment(
+    config: ml_collections.ConfigDict, opts: argparse.Namespace, devices: Sequence[jax.Device]
+) -> int:
     import pathlib
 
     from jaxkit import experiments
@@ -574,6 +651,8 @@ def _experiment(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> 
         global_batch_sizes=opts.global_batch_sizes,
         lr_scaling=opts.lr_scaling,
         max_per_device_batch=opts.max_per_device_batch,
+        devices=devices,
+        target=opts.target.describe() if opts.target is not None else None,
     )
     if opts.rss_points is not None:  # None: the option was not given, the default holds
         options.rss_points = opts.rss_points

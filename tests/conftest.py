@@ -9,6 +9,9 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+# The same for the CLI and notebook subprocesses: with libtpu installed (the test extra
+# brings it for the TPU planning tests) JAX would otherwise probe for a TPU at start.
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

@@ -50,6 +50,8 @@ class Options:
     lr_scaling: str | None = None  # batch-size: none | linear | sqrt
     max_per_device_batch: int | None = None  # memory/throughput: the largest batch swept
     rss_points: int = 3  # memory: measured resident-memory points (CPU, Linux)
+    devices: Sequence[jax.Device] | None = None  # default: the live ones
+    target: str | None = None  # memory: the described TPU slice `devices` are, in words
 
 
 class Report:
@@ -213,9 +215,11 @@ def split_mesh(config: ml_collections.ConfigDict, split: Split) -> dict[str, int
     return shape
 
 
-def live_mesh(config: ml_collections.ConfigDict) -> tuple[list[jax.Device], dict[str, int]]:
-    """All devices, and the config's mesh shape on them."""
-    devices = jax.devices()
+def live_mesh(
+    config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
+) -> tuple[list[jax.Device], dict[str, int]]:
+    """The devices (default: all live ones), and the config's mesh shape on them."""
+    devices = list(jax.devices() if devices is None else devices)
     return devices, mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
 
 

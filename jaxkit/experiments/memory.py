@@ -47,7 +47,7 @@ def run(
     options: Options,
     echo: Callable[[str], None],
 ) -> pathlib.Path:
-    devices, shape = live_mesh(config)
+    devices, shape = live_mesh(config, options.devices)
     base = plan_from_config(config, shape)
     top = options.max_per_device_batch or 4 * base.per_device_batch_size
     batches = powers_of_two(top)
@@ -76,10 +76,16 @@ def run(
 
     def render(report: Report) -> None:
         mib = 2**20
+        where = (
+            f"the TPU slice {options.target}, compiled by the TPU compiler ({len(devices)} "
+            f"{devices[0].device_kind} devices)"
+            if options.target
+            else f"{len(devices)} {devices[0].platform} devices"
+        )
         report.text(
-            f"Config `{config.get('name')}` on {len(devices)} {devices[0].platform} devices "
-            f"(mesh {shape}). Compiled per-device memory = argument + output − alias + temp "
-            "bytes of the train step (`memory_analysis()`; nothing executed)."
+            f"Config `{config.get('name')}` on {where} (mesh {shape}). Compiled per-device "
+            "memory = argument + output − alias + temp bytes of the train step "
+            "(`memory_analysis()`; nothing executed)."
         )
         report.text("## Where the state's bytes go (per device)")
         report.table(("part", "bytes/device"), [(p, costs.format_bytes(b)) for p, b in breakdown])

@@ -1,0 +1,176 @@
+"""Planning for a Cloud TPU slice from this CPU machine: the TPU compiler, no TPU.
+
+Expected topologies, chip and host counts are Cloud TPU's published ones (v5litepod-8 is
+one host of 2x4 chips; v5litepod-16 four hosts of 4; v4 and v5p names count TensorCores,
+two per chip), and libtpu's own description of each slice (its devices' process indices)
+checks the host count jaxkit computes.
+"""
+
+import json
+
+import pytest
+from test_cli import jaxkit
+
+from jaxkit import targets
+from jaxkit.targets import TargetError, parse_target, target_devices
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize(
+    "name,topology,chips,hosts,hbm_gib",
+    [
+        ("v5litepod-8", "v5e:2x4", 8, 1, 16),
+        ("v5e-16", "v5e:4x4", 16, 4, 16),  # the short spelling of v5litepod-16
+        ("v5litepod-256", "v5e:16x16", 256, 64, 16),
+        ("v4-8", "v4:2x2x1", 4, 1, 32),
+        ("v4-32", "v4:2x2x4", 16, 4, 32),
+        ("v5p-32", "v5p:2x2x4", 16, 4, 95),
+        ("v6e-8", "v6e:2x4", 8, 1, 32),
+        ("v6e-64", "v6e:8x8", 64, 16, 32),
+        ("v5e:4x4", "v5e:4x4", 16, 4, 16),
+        ("v4:2x2x2", "v4:2x2x2", 8, 2, 32),
+    ],
+)
+def test_accelerator_types_and_topologies_name_their_slices(name, topology, chips, hosts, hbm_gib):
+    target = parse_target(name)
+    assert (target.topology, target.chips, target.hosts) == (topology, chips, hosts)
+    assert target.generation.hbm_bytes == hbm_gib * GiB
+
+
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("v5litepod-12", ["v5litepod-8", "v5litepod-16"]),  # the sizes that exist
+        ("v4-6", ["v4-8", "v4-16"]),
+        ("v9-8", ["unknown TPU generation 'v9'", "v5litepod-1", "v5e:4x4"]),
+        ("tpu", ["v4-8", "v6e:4x4"]),
+        ("v5e:2x2x2", ["2 sides", "v5e:4x4"]),
+        ("v4:4x4", ["3 sides", "v4:2x2x4"]),
+    ],
+)
+def test_an_unknown_target_lists_what_is_valid(name, words):
+    with pytest.raises(TargetError) as err:
+        parse_target(name)
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["v5litepod-8", "v5litepod-16", "v4-32", "v5p-8", "v6e-16"])
+def test_the_described_slice_has_the_chips_and_hosts_computed(name):
+    target = parse_target(name)
+    devices = target_devices(target)
+    assert len(devices) == target.chips  # one JAX device per chip, megacore included
+    assert len({d.process_index for d in devices}) == target.hosts
+    assert {d.device_kind for d in devices} == {target.generation.device_kind}
+
+
+def test_a_topology_libtpu_cannot_lay_out_is_refused_in_its_words():
+    with pytest.raises(TargetError, match="JAX cannot describe topology v5e:3x3"):
+        target_devices(parse_target("v5e:3x3"))
+
+
+def test_without_libtpu_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(TargetError, match=r'pip install -e "\.\[tpu-plan\]"'):
+        target_devices(parse_target("v5litepod-8"))
+
+
+def test_plan_for_a_single_host_slice():
+    out = jaxkit("plan", "lm_tiny", "--target", "v5litepod-8", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["target"] == "v5litepod-8"
+    assert plan["device_kind"] == "TPU v5 lite"
+    assert (plan["num_devices"], plan["num_hosts"]) == (8, 1)
+    assert plan["memory_budget_bytes"] == 16 * GiB
+    # lm_tiny's mesh (data=-1) resolved on the slice's 8 chips.
+    assert plan["data_parallel_size"] == 8
+    assert plan["rows_per_host"] == plan["micro_batch_size"]
+
+
+def test_plan_for_a_multi_host_slice_splits_rows_over_hosts():
+    out = jaxkit(
+        "plan", "lm_tiny", "batch.global_batch_size=128", "--target", "v5litepod-16", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert (plan["num_devices"], plan["num_hosts"]) == (16, 4)
+    assert plan["data_parallel_size"] == 16
+    # 16 data-parallel chips, 4 per host: each host loads a quarter of every micro-batch.
+    assert plan["rows_per_host"] == plan["micro_batch_size"] // 4
+    text = jaxkit("plan", "lm_tiny", "batch.global_batch_size=128", "--target", "v5litepod-16")
+    assert text.returncode == 0, text.stderr
+    assert "v5litepod-16 (v5e:4x4" in text.stdout and "on 4 hosts" in text.stdout
+    assert f"rows per host per micro-step: {plan['rows_per_host']}" in text.stdout
+
+
+def test_all_splits_on_a_target_use_its_hbm_and_the_tpu_compiler():
+    out = jaxkit("plan", "lm_tiny", "--target", "v5litepod-8", "--all-splits", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["target"] == "v5litepod-8" and result["num_hosts"] == 1
+    assert result["memory_budget_bytes"] == 16 * GiB
+    splits = result["splits"]
+    assert {s["devices"] for s in splits} == {8}  # the slice, not pieces of it
+    # Every split fits 16 GiB for a model this small: the largest per-device batch wins.
+    largest = max(splits, key=lambda s: s["per_device_batch_size"])
+    assert result["recommended"]["per_device_batch_size"] == largest["per_device_batch_size"]
+    # A budget between two splits' needs: the recommendation is the largest that fits.
+    needs = sorted(s["memory_bytes"] for s in splits)
+    budget = (needs[0] + needs[-1]) // 2
+    out = jaxkit(
+        "plan", "lm_tiny", "--target", "v5litepod-8", "--all-splits", "--json",
+        f"--memory-budget={budget}",
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    fitting = [s for s in result["splits"] if s["memory_bytes"] <= budget]
+    assert result["memory_budget_bytes"] == budget
+    assert result["recommended"]["per_device_batch_size"] == max(
+        s["per_device_batch_size"] for s in fitting
+    )
+
+
+def test_max_per_device_batch_on_a_target_searches_under_its_hbm():
+    out = jaxkit(
+        "plan", "mlp_digits", "--target", "v5litepod-8", "--max-per-device-batch",
+        "--memory-budget", "64MiB", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert (result["target"], result["num_devices"]) == ("v5litepod-8", 8)
+    best = result["max_per_device_batch_size"]
+    tried = {int(b): m for b, m in result["tried"].items()}
+    assert tried[best] <= 64 * 2**20 and all(m > 64 * 2**20 for b, m in tried.items() if b > best)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--target", "v5litepod-12"], "v5litepod slices come as"),
+        (["--target", "v5litepod-8", "--host-devices", "8"], "--host-devices"),
+        (["--target", "v5litepod-8", "--all-splits", "--device-counts", "4"], "--device-counts"),
+        (["--target", "v5litepod-8", "mesh.tensor=3"], "tensor=3"),
+    ],
+)
+def test_bad_target_requests_are_refused_before_compiling(args, message):
+    out = jaxkit("plan", "lm_tiny", *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "error:" in out.stderr and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_memory_experiment_on_a_target(tmp_path):
+    out = jaxkit(
+        "experiment", "memory", "mlp_digits", "--target", "v5litepod-8",
+        "--max-per-device-batch", "2", "--out", str(tmp_path / "m"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "m" / "report.md").read_text()
+    assert "v5litepod-8" in report and "TPU v5 lite" in report and "16 GiB" in report
+    assert "Resident memory is measured only on CPU" in report
+
+
+def test_target_is_refused_for_experiments_that_run():
+    out = jaxkit("experiment", "equivalence", "mlp_digits", "--target", "v5litepod-8")
+    assert out.returncode == 2
+    assert "--target applies to experiment memory, not equivalence" in out.stderr
