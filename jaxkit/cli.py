@@ -369,7 +369,14 @@ def _main(argv: list[str] | None) -> int:
         # Every command runs the config's mesh on its devices (the live ones, or a described
         # TPU slice's): its shards must be even.
         devices = target_devices(opts.target) if target is not None else jax.devices()
-        shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+        try:
+            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+        except mesh_lib.MeshError as err:
+            if target is None:
+                raise
+            raise mesh_lib.MeshError(
+                f"--target {opts.target.name} has {len(devices)} chips: {err}"
+            ) from None
         check_on_mesh(config, shape)
         if opts.command == "plan":
             return _plan(config, shape, opts, devices)

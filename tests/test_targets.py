@@ -151,6 +151,7 @@ def test_max_per_device_batch_on_a_target_searches_under_its_hbm():
         (["--target", "v5litepod-8", "--host-devices", "8"], "--host-devices"),
         (["--target", "v5litepod-8", "--all-splits", "--device-counts", "4"], "--device-counts"),
         (["--target", "v5litepod-8", "mesh.tensor=3"], "tensor=3"),
+        (["--target", "v4-8", "mesh.data=8"], "--target v4-8 has 4 chips: mesh data=8"),
     ],
 )
 def test_bad_target_requests_are_refused_before_compiling(args, message):
