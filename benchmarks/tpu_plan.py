@@ -8,7 +8,7 @@ per-device batch under each --search-targets chip's HBM by compile-only search. 
 runs; libtpu must be installed (pip install -e ".[tpu-plan]").
 
 Run: python benchmarks/tpu_plan.py [--split-target v5litepod-8]
-     [--search-targets v5litepod-8,v4-8] [--no-search]
+     [--search-targets v5litepod-8,v4-8] [--no-search] [--no-splits]
 Writes benchmarks/results/tpu_plan.json.
 """
 
@@ -24,6 +24,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--split-target", default="v5litepod-8")
 parser.add_argument("--search-targets", default="v5litepod-8,v4-8")
 parser.add_argument("--no-search", action="store_true", help="compile the splits only")
+parser.add_argument("--no-splits", action="store_true", help="search the batch only")
 parser.add_argument(
     "--out", default=str(pathlib.Path(__file__).parent / "results" / "tpu_plan.json")
 )
@@ -60,7 +61,7 @@ def main() -> None:
     target = parse_target(args.split_target)
     devices = target_devices(target)
     print(target.describe(), flush=True)
-    splits = costs.enumerate_splits(config, [len(devices)])
+    splits = [] if args.no_splits else costs.enumerate_splits(config, [len(devices)])
 
     def show(split: costs.Split) -> None:
         c = split.cost
