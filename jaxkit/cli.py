@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import jax
     import ml_collections
 
+    from jaxkit import costs
     from jaxkit.targets import Target
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
@@ -473,11 +474,7 @@ def _plan(
                     "memory_budget_bytes": budget,
                     "left_out_device_counts": {str(n): why for n, why in dropped.items()},
                     "recommended": chosen.plan.to_json() if chosen else None,
-                    "splits": [
-                        {"devices": s.devices, **s.plan.to_json(), **s.cost.to_json()}
-                        for s in splits
-                        if s.cost is not None
-                    ],
+                    "splits": [_split_json(s) for s in splits],
                 }
             )
         )
@@ -534,6 +531,19 @@ def _check_can_write(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: {probe} is not writable")
+
+
+def _split_json(split: costs.Split) -> dict[str, object]:
+    out: dict[str, object] = {"devices": split.devices, **split.plan.to_json()}
+    if split.cost is not None:
+        out |= split.cost.to_json()
+    if split.out_of_memory is not None:  # the compiler refused it
+        out |= {
+            "memory_bytes": None,
+            "out_of_memory": str(split.out_of_memory),
+            "needed_bytes": split.out_of_memory.needed_bytes,
+        }
+    return out
 
 
 def _memory_budget(text: str | None, device: jax.Device, target: Target | None) -> int | None:
@@ -603,7 +613,13 @@ def _max_batch(
             None
             if as_json
             else print(
-                f"  per_device_batch_size={b}: {costs.format_bytes(memory)}", file=sys.stderr
+                f"  per_device_batch_size={b}: "
+                + (
+                    costs.format_bytes(memory)
+                    if memory is not None
+                    else "more than the device has (the compiler refused it)"
+                ),
+                file=sys.stderr,
             )
         ),
     )
@@ -618,15 +634,21 @@ def _max_batch(
                     "compiles": result.compiles,
                     "seconds": result.seconds,
                     "tried": {str(b): m for b, m in sorted(result.tried.items())},
+                    "out_of_memory": {str(b): str(e) for b, e in sorted(result.refused.items())},
                 }
             )
         )
     if result.cost is None:
+        one = result.tried[1]
+        needs = (
+            costs.format_bytes(one)
+            if one is not None
+            else f"more than the device has (the compiler: {result.refused[1]})"
+        )
         raise PlanError(
-            f"even per_device_batch_size=1 needs {costs.format_bytes(result.tried[1])} per "
-            f"device on {len(devices)} devices, more than --memory-budget "
-            f"{costs.format_bytes(budget)}: a smaller model, a larger budget, or more devices "
-            "(mesh.fsdp shards the state)"
+            f"even per_device_batch_size=1 needs {needs} per device on {len(devices)} "
+            f"devices, more than the budget of {costs.format_bytes(budget)}: a smaller "
+            "model, a larger budget, or more devices (mesh.fsdp shards the state)"
         )
     if as_json:
         return 0

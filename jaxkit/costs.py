@@ -154,6 +154,21 @@ def abstract_batch(
     }
 
 
+class OutOfMemory(Exception):  # noqa: N818 — what the compiler said, not a bug here
+    """The compiler refused the step: it needs more memory than the device has.
+
+    A TPU compiler knows its chip's HBM and will not compile past it (after trying to
+    recompute activations to fit); `needed_bytes` is the requirement it names, where it
+    names one (a lower bound: often the temporaries alone).
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        found = re.search(r"(?:required for HLO temporaries \(|Used )([0-9.]+)([KMGT])", message)
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        self.needed_bytes = int(float(found[1]) * scale[found[2]]) if found else None
+
+
 def compile_setup_step(
     config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup
 ) -> tuple[jax.stages.Compiled, StepCost]:
@@ -163,7 +178,12 @@ def compile_setup_step(
     """
     start = time.perf_counter()
     state = abstract_state(setup)
-    compiled = setup.step.lower(state, abstract_batch(config, plan, setup)).compile()
+    try:
+        compiled = setup.step.lower(state, abstract_batch(config, plan, setup)).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise OutOfMemory(str(err).splitlines()[0]) from None
     seconds = time.perf_counter() - start
     return compiled, cost_of(compiled, plan.grad_accum_steps, update_flops(setup, state), seconds)
 
@@ -227,6 +247,7 @@ class Split:
     devices: int  # devices the split runs on (the first `devices` of the live ones)
     plan: BatchPlan
     cost: StepCost | None = None
+    out_of_memory: OutOfMemory | None = None  # the compiler refused it: too big to fit
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -302,8 +323,11 @@ def with_costs(
     out = []
     for split in splits:
         b, k = split.plan.per_device_batch_size, split.plan.grad_accum_steps
-        cost = step_cost(split_config(config, b, k), split.plan, devices[: split.devices])
-        out.append(dataclasses.replace(split, cost=cost))
+        try:
+            cost = step_cost(split_config(config, b, k), split.plan, devices[: split.devices])
+            out.append(dataclasses.replace(split, cost=cost))
+        except OutOfMemory as err:
+            out.append(dataclasses.replace(split, out_of_memory=err))
         progress(out[-1])
     return out
 
@@ -325,7 +349,9 @@ class BatchSearch:
     cost: StepCost | None  # of that batch
     compiles: int
     seconds: float
-    tried: dict[int, int]  # per-device batch → compiled memory bytes
+    tried: dict[int, int | None]  # per-device batch → compiled memory bytes (None: the
+    # compiler refused it, out of memory; `refused` holds what it said)
+    refused: dict[int, OutOfMemory] = dataclasses.field(default_factory=dict)
 
 
 def max_per_device_batch(
@@ -333,7 +359,7 @@ def max_per_device_batch(
     devices: Sequence[jax.Device],
     budget: int,
     limit: int = 1 << 20,
-    progress: Callable[[int, int], None] = lambda b, memory: None,
+    progress: Callable[[int, int | None], None] = lambda b, memory: None,
 ) -> BatchSearch:
     """The largest per-device batch whose compiled step fits `budget`, by compile-only search.
 
@@ -343,18 +369,24 @@ def max_per_device_batch(
     """
     start = time.perf_counter()
     shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
-    tried: dict[int, int] = {}
+    tried: dict[int, int | None] = {}
+    refused: dict[int, OutOfMemory] = {}
     costs: dict[int, StepCost] = {}
 
     def fits(b: int) -> bool:
         split = split_config(config, b, 1)
-        cost = step_cost(split, plan_from_config(split, shape), devices)
+        try:
+            cost = step_cost(split, plan_from_config(split, shape), devices)
+        except OutOfMemory as err:
+            tried[b], refused[b] = None, err
+            progress(b, None)
+            return False
         tried[b], costs[b] = cost.memory_bytes, cost
         progress(b, cost.memory_bytes)
         return cost.memory_bytes <= budget
 
     if not fits(1):
-        return BatchSearch(0, None, len(tried), time.perf_counter() - start, tried)
+        return BatchSearch(0, None, len(tried), time.perf_counter() - start, tried, refused)
     low, high = 1, None  # low fits; high (when known) does not
     while high is None:
         candidate = min(low * 2, limit)
@@ -370,7 +402,7 @@ def max_per_device_batch(
             low = mid
         else:
             high = mid
-    return BatchSearch(low, costs[low], len(tried), time.perf_counter() - start, tried)
+    return BatchSearch(low, costs[low], len(tried), time.perf_counter() - start, tried, refused)
 
 
 def splits_cost_table(
@@ -383,6 +415,10 @@ def splits_cost_table(
         memory = format_bytes(c.memory_bytes) if c else "?"
         flops = format_flops(c.flops_per_step) if c else "?"
         fits = "" if budget is None or c is None else ("yes" if c.memory_bytes <= budget else "no")
+        if s.out_of_memory is not None:  # the compiler would not compile it
+            needed = s.out_of_memory.needed_bytes
+            memory = f"> {format_bytes(needed)}" if needed else "too much"
+            fits = "no"
         mark = "← recommended" if chosen is not None and s.key == chosen.key else ""
         row = (s.devices, p.per_device_batch_size, p.grad_accum_steps, p.global_batch_size)
         rows.append((*row, memory, flops, fits, mark))

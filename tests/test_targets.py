@@ -175,3 +175,44 @@ def test_target_is_refused_for_experiments_that_run():
     out = jaxkit("experiment", "equivalence", "mlp_digits", "--target", "v5litepod-8")
     assert out.returncode == 2
     assert "--target applies to experiment memory, not equivalence" in out.stderr
+
+
+# 32768² float32 weights are 4 GiB; with their gradient, Adam's two moments and the
+# MultiSteps accumulator no v5e chip (16 GiB) can hold the step, whatever the batch.
+TOO_BIG = ("mlp_digits", "model.hidden_size=32768", "--target", "v5litepod-8")
+
+
+def test_splits_the_tpu_compiler_refuses_are_shown_as_not_fitting():
+    out = jaxkit("plan", *TOO_BIG, "--all-splits", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["recommended"] is None
+    assert result["splits"] and all(s["memory_bytes"] is None for s in result["splits"])
+    for split in result["splits"]:
+        assert "RESOURCE_EXHAUSTED" in split["out_of_memory"]
+        assert split["needed_bytes"] > 15 * GiB  # the compiler's own figure, over HBM
+    out = jaxkit("plan", *TOO_BIG, "--all-splits")
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "no split on 8 devices fits 16.00 GiB" in out.stdout
+    assert "| > " in out.stdout and "| no   |" in out.stdout
+
+
+def test_a_batch_search_the_tpu_compiler_refuses_says_so():
+    out = jaxkit("plan", *TOO_BIG, "--max-per-device-batch", "--json")
+    assert out.returncode == 2
+    result = json.loads(out.stdout)
+    assert result["max_per_device_batch_size"] == 0 and result["tried"] == {"1": None}
+    assert "RESOURCE_EXHAUSTED" in result["out_of_memory"]["1"]
+    assert "even per_device_batch_size=1 needs more than the device has" in out.stderr
+
+
+def test_the_memory_experiment_lists_what_the_tpu_compiler_refused(tmp_path):
+    out = jaxkit(
+        "experiment", "memory", *TOO_BIG, "--max-per-device-batch", "1",
+        "--out", str(tmp_path / "m"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "m" / "report.md").read_text()
+    assert "The compiler refused these (out of memory on the device)" in report
+    assert "per_device_batch_size=1 (RESOURCE_EXHAUSTED" in report

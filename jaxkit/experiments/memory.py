@@ -60,9 +60,16 @@ def run(
     by_batch: dict[int, costs.StepCost] = {}
     by_accum: dict[tuple[str, int], costs.StepCost] = {}
     measured: dict[int, dict] = {}
+    refused: dict[tuple[str, int], costs.OutOfMemory] = {}
     breakdown = state_breakdown(config, devices)
 
     def do_unit(unit: tuple[str, int]) -> None:
+        try:
+            cost_unit(unit)
+        except costs.OutOfMemory as err:  # a TPU compiler will not compile past its HBM
+            refused[unit] = err
+
+    def cost_unit(unit: tuple[str, int]) -> None:
         kind, n = unit
         if kind == "batch":
             c = costs.split_config(config, n, 1)
@@ -87,6 +94,14 @@ def run(
             "memory = argument + output − alias + temp bytes of the train step "
             "(`memory_analysis()`; nothing executed)."
         )
+        if refused:
+            report.text(
+                "The compiler refused these (out of memory on the device): "
+                + "; ".join(
+                    f"{'per_device_batch_size' if kind == 'batch' else kind + ' K'}={n} ({err})"
+                    for (kind, n), err in refused.items()
+                )
+            )
         report.text("## Where the state's bytes go (per device)")
         report.table(("part", "bytes/device"), [(p, costs.format_bytes(b)) for p, b in breakdown])
         if by_batch:
