@@ -97,7 +97,9 @@ def main() -> None:
             devices,
             budget,
             progress=lambda b, m, name=name: print(
-                f"  {name} b={b}: {costs.format_bytes(m)}", flush=True
+                f"  {name} b={b}: "
+                + (costs.format_bytes(m) if m is not None else "refused by the compiler (HBM)"),
+                flush=True,
             ),
         )
         print(
@@ -113,6 +115,7 @@ def main() -> None:
                 "compiles": search.compiles,
                 "seconds": search.seconds,
                 "tried": {str(b): m for b, m in sorted(search.tried.items())},
+                "out_of_memory": {str(b): str(e) for b, e in sorted(search.refused.items())},
             }
         )
     out = pathlib.Path(args.out)
