@@ -112,11 +112,9 @@ class Target:
 
 def standard_shape(dims: int, chips: int) -> tuple[int, ...] | None:
     """The topology Cloud TPU gives `chips` chips, or None where it gives none."""
-    shape = [1] * dims if dims == 2 else [2, 2, 1]
     if dims == 2 and chips == 1:
         return (1, 1)
-    if dims == 2:
-        shape = [2, 2]
+    shape = [2, 2] if dims == 2 else [2, 2, 1]
     while math.prod(shape) < chips:
         smallest = min(shape)
         i = max(j for j, n in enumerate(shape) if n == smallest)
