@@ -156,7 +156,8 @@ def known_targets() -> str:
 
 def parse_target(text: str) -> Target:
     """`v5litepod-16`, `v5e-16`, `v4-32`, `v5e:4x4`, `v4:2x2x4` → a Target."""
-    name = text.strip().lower()
+    text = text.strip()
+    name = text.lower()
     topology = re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)*)", name)
     if topology:
         g = _generation(topology.group(1), text)
@@ -166,6 +167,11 @@ def parse_target(text: str) -> Target:
             raise TargetError(
                 f"--target {text}: a {g.name} topology has {g.dims} sides of at least one "
                 f"chip, e.g. {g.name}:{example}"
+            )
+        if math.prod(shape) > g.max_chips:
+            raise TargetError(
+                f"--target {text}: {math.prod(shape)} chips; the largest {g.name} slice has "
+                f"{g.max_chips}"
             )
         return Target(text, g, shape)
     accelerator = re.fullmatch(r"([a-z0-9]+)-(\d+)", name)

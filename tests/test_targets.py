@@ -30,11 +30,13 @@ GiB = 2**30
         ("v6e-64", "v6e:8x8", 64, 16, 32),
         ("v5e:4x4", "v5e:4x4", 16, 4, 16),
         ("v4:2x2x2", "v4:2x2x2", 8, 2, 32),
+        (" v5e:2x4 ", "v5e:2x4", 8, 1, 16),  # as pasted, spaces and all
     ],
 )
 def test_accelerator_types_and_topologies_name_their_slices(name, topology, chips, hosts, hbm_gib):
     target = parse_target(name)
     assert (target.topology, target.chips, target.hosts) == (topology, chips, hosts)
+    assert target.name == name.strip()  # printed and in --json as given, trimmed
     assert target.generation.hbm_bytes == hbm_gib * GiB
 
 
@@ -47,6 +49,7 @@ def test_accelerator_types_and_topologies_name_their_slices(name, topology, chip
         ("tpu", ["v4-8", "v6e:4x4"]),
         ("v5e:2x2x2", ["2 sides", "v5e:4x4"]),
         ("v4:4x4", ["3 sides", "v4:2x2x4"]),
+        ("v5e:32x32", ["1024 chips; the largest v5e slice has 256"]),
     ],
 )
 def test_an_unknown_target_lists_what_is_valid(name, words):
