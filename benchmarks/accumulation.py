@@ -27,7 +27,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", args.host_devices)
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import load_global_batch, load_micro_batch, make_sources
 from jaxkit.hlo import bytes_per_call, collectives, runs_per_call
@@ -65,7 +65,8 @@ def all_reduced_bytes_per_step(config) -> tuple[int, int]:
         batch, calls = load_global_batch(source, 0, plan, 0, setup.fused_batch_sharding), 1
     else:
         batch, calls = load_micro_batch(source, 0, 0, plan, 0, setup.batch_sharding), k
-    found = collectives(setup.step.lower(state, batch).compile().as_text(), mesh_shape(mesh))
+    hlo = setup.step.lower(state, batch, setup.hyper(plan)).compile().as_text()
+    found = collectives(hlo, mesh_shape(mesh))
     ops = calls * runs_per_call(found, "all-reduce", loop_trips=k)
     return ops, calls * bytes_per_call(found, "all-reduce", loop_trips=k)
 

@@ -30,7 +30,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", args.host_devices)
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import Checkpointer
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import load_micro_batch, make_sources
@@ -51,7 +51,7 @@ def measure(name: str, overrides: list[str], params_only: bool) -> dict:
             step, micro = divmod(i, plan.grad_accum_steps)
             first = step * plan.global_batch_size
             batch = load_micro_batch(source, first, micro, plan, 0, setup.batch_sharding)
-            state, metrics = setup.step(state, batch)
+            state, metrics = setup.step(state, batch, setup.hyper(plan))
             jax.block_until_ready(metrics)
     tree = state.params if params_only else state
     jax.block_until_ready(tree)

@@ -52,7 +52,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", args.host_devices)  # used where there is no accelerator
 
 from jaxkit import costs
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.hlo import collectives
 from jaxkit.loop import train

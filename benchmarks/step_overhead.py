@@ -36,7 +36,7 @@ jax.config.update("jax_num_cpu_devices", args.host_devices)
 
 import optax
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import load_micro_batch, make_sources
 from jaxkit.loop import train

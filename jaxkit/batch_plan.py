@@ -14,8 +14,6 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
-import ml_collections
-
 LR_SCALINGS = ("none", "linear", "sqrt")
 FORMULA = "global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps"
 
@@ -256,19 +254,4 @@ def make_batch_plan(
         lr_scaling=lr_scaling,
         reference_batch_size=reference_batch_size,
         learning_rate=lr,
-    )
-
-
-def plan_from_config(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> BatchPlan:
-    """The batch plan a config asks for on a mesh of the given shape."""
-    b, o = config.batch, config.optimizer
-    return make_batch_plan(
-        mesh_shape=mesh_shape,
-        global_batch_size=b.global_batch_size,
-        per_device_batch_size=b.per_device_batch_size,
-        grad_accum_steps=b.grad_accum_steps,
-        seq_len=config.data.get("seq_len"),
-        learning_rate=o.learning_rate,
-        lr_scaling=o.lr_scaling,
-        reference_batch_size=o.reference_batch_size,
     )

@@ -337,23 +337,39 @@ def _short(value: object) -> str:
     return str(value)
 
 
-def _check_steps(saved: int, done: int, wanted: int, allow_longer: bool) -> None:
-    """train.steps may change on a workdir only upwards, and only when asked."""
+def _length(config: dict) -> tuple[str, int]:
+    """A run's length as its config says it: ("train.steps", N) or ("train.examples", N)."""
+    t = config["train"]
+    if t.get("steps") is not None:
+        return "train.steps", int(t["steps"])
+    return "train.examples", int(t["examples"])
+
+
+def _check_length(saved_config: dict, position: Position, config: Any, allow_longer: bool) -> None:
+    """train.steps (or train.examples) may change on a workdir only upwards, when asked."""
+    (key, saved), (wanted_key, wanted) = _length(saved_config), _length(config.to_dict())
+    unit = key.split(".")[1]  # steps | examples
+    done = position.step if key == "train.steps" else position.examples
+    if wanted_key != key:
+        raise CheckpointError(
+            f"this workdir holds a run of {key}={saved}; it cannot be measured in "
+            f"{wanted_key} instead. Use {key}={saved} (and {wanted_key}=null), or a new --workdir."
+        )
     if wanted == saved:
         return
     if wanted < saved:
         raise CheckpointError(
-            f"train.steps: {saved} (saved) -> {wanted}: a run cannot be shortened (its "
-            f"learning-rate schedule is laid over {saved} steps, {done} done). Use "
-            f"train.steps={saved}, or a new --workdir."
+            f"{key}: {saved} (saved) -> {wanted}: a run cannot be shortened (its "
+            f"learning-rate schedule is laid over {saved} {unit}, {done} done). Use "
+            f"{key}={saved}, or a new --workdir."
         )
     if not allow_longer:
         finished = "finished " if done >= saved else ""
         raise CheckpointError(
-            f"train.steps: {saved} (saved) -> {wanted}: this workdir holds a {finished}run "
-            f"of {saved} steps ({done} done). Pass --allow-longer to extend it to {wanted} "
+            f"{key}: {saved} (saved) -> {wanted}: this workdir holds a {finished}run "
+            f"of {saved} {unit} ({done} done). Pass --allow-longer to extend it to {wanted} "
             "(the learning-rate schedule is then re-laid over the new length from the step "
-            f"it resumes at), or use train.steps={saved}."
+            f"it resumes at), or use {key}={saved}."
         )
 
 
@@ -371,7 +387,7 @@ def resume(
     checkpointer: Checkpointer,
     setup: Any,
     config: Any,
-    plan: Any,
+    plan_at: Callable[[dict], Any],
     *,
     allow_batch_change: bool = False,
     allow_longer: bool = False,
@@ -382,12 +398,12 @@ def resume(
     The global batch is what must not change silently: the config's free batch field is
     re-derived for the new mesh, so grad_accum_steps (or per_device_batch_size) absorbs a
     change of device count. A changed global batch is refused unless `allow_batch_change`,
-    a changed train.steps unless it grows and `allow_longer`.
+    a changed train.steps unless it grows and `allow_longer`. `plan_at(meta)` is this run's
+    plan at a checkpoint's position (a batch schedule's stage there).
     """
     if not checkpointer.steps() and checkpointer.micro_step_numbered() is None:
         return None  # a new workdir
     current = config.to_dict()
-    new_plan = plan.to_json()
 
     def check(meta: dict) -> None:
         conflicts = config_conflicts(meta["config"], current)
@@ -398,9 +414,9 @@ def resume(
                 + "\n".join(conflicts)
                 + "\nUse the saved values, or a new --workdir."
             )
-        saved_steps = int(meta["config"]["train"]["steps"])
-        _check_steps(saved_steps, position_of(meta).step, config.train.steps, allow_longer)
-        old = meta["plan"]
+        _check_length(meta["config"], position_of(meta), config, allow_longer)
+        old, plan = meta["plan"], plan_at(meta)
+        new_plan = plan.to_json()
         if old["global_batch_size"] != plan.global_batch_size and not allow_batch_change:
             raise CheckpointError(
                 f"resuming here changes the global batch from {old['global_batch_size']} to "
@@ -416,7 +432,8 @@ def resume(
         echo("warning: no readable checkpoint left; starting from scratch")
         return None
     state, meta = found
-    old, position = meta["plan"], position_of(meta)
+    old, position, plan = meta["plan"], position_of(meta), plan_at(meta)
+    new_plan = plan.to_json()
     where = f"optimizer step {position.step}"
     if position.micro:
         where += f", {position.micro} of {old['grad_accum_steps']} micro-steps into the next"

@@ -23,13 +23,13 @@ if TYPE_CHECKING:
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
 COMMANDS = ("plan", "train", "experiment", "report")
-EXPERIMENTS = ("equivalence", "memory", "throughput", "batch-size", "noise-scale")
+EXPERIMENTS = ("equivalence", "memory", "throughput", "batch-size", "noise-scale", "batch-ramp")
 # The experiments that read each experiment option: elsewhere a value would be ignored.
 EXPERIMENT_OPTIONS = {
-    "steps": ("equivalence", "throughput", "batch-size", "noise-scale"),
+    "steps": ("equivalence", "throughput", "batch-size", "noise-scale", "batch-ramp"),
     "splits": ("equivalence",),
     "global_batch_sizes": ("batch-size",),
-    "lr_scaling": ("batch-size",),
+    "lr_scaling": ("batch-size", "batch-ramp"),
     "max_per_device_batch": ("memory", "throughput"),
     "rss_points": ("memory",),
     "target": ("memory",),
@@ -154,14 +154,20 @@ def _add_experiment(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="equivalence: every split of the global batch trains the same model; memory: "
         "compiled (and measured) memory against per-device batch and accumulation; "
         "throughput: speed against the same; batch-size: several global batches on the same "
-        "examples; noise-scale: the critical batch size from the gradient noise scale",
+        "examples; noise-scale: the critical batch size from the gradient noise scale; "
+        "batch-ramp: fixed small, fixed large, scheduled and automatic growing batches on the "
+        "same examples",
     )
     _common(experiment)
     experiment.add_argument(
         "--out", type=_directory, metavar="DIR", help="default runs/experiment-NAME-CONFIG-TIME"
     )
     experiment.add_argument(
-        "--steps", type=_int_at_least(1), metavar="N", help="optimizer steps per run"
+        "--steps",
+        type=_int_at_least(1),
+        metavar="N",
+        help="optimizer steps per run (batch-ramp: of the small-batch run; the others train on "
+        "as many examples)",
     )
     experiment.add_argument(
         "--splits", metavar="DxBxK,...", help="equivalence: e.g. 1x32x1,4x8x1,2x8x2,1x8x4"
@@ -170,7 +176,9 @@ def _add_experiment(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--global-batch-sizes", metavar="G,G,...", help="batch-size: e.g. 16,32,64,128"
     )
     experiment.add_argument(
-        "--lr-scaling", choices=("none", "linear", "sqrt"), help="batch-size: scaling rule"
+        "--lr-scaling",
+        choices=("none", "linear", "sqrt"),
+        help="batch-size, batch-ramp: scaling rule",
     )
     experiment.add_argument(
         "--max-per-device-batch",
@@ -406,10 +414,13 @@ def _plan(
     import tqdm
 
     from jaxkit import costs
-    from jaxkit.batch_plan import format_table, plan_from_config
+    from jaxkit.batch_plan import format_table
+    from jaxkit.batch_schedule import schedule_from_config
 
     target = opts.target
-    plan = plan_from_config(config, shape)  # the configured plan must hold on this mesh
+    schedule = schedule_from_config(config, shape)  # every stage must hold on this mesh
+    plan = schedule.first
+    ramp = {"batch_schedule": schedule.to_json()} if schedule.kind != "fixed" else {}
     budget = _memory_budget(opts.memory_budget, devices[0], target)
     slice_info: dict[str, object] = {}
     if target is not None:
@@ -435,9 +446,14 @@ def _plan(
     if not (opts.all_splits or opts.max_per_device_batch):
         if opts.json:
             rows = {"rows_per_host": shards * plan.per_device_batch_size} if target else {}
-            print(json.dumps({**plan.to_json(), **slice_info, **rows}))
+            print(json.dumps({**plan.to_json(), **slice_info, **rows, **ramp}))
         else:
             print(plan.table())
+            if ramp:
+                print(
+                    f"\nbatch schedule ({schedule.kind}; K changes, the per-device batch does not):"
+                )
+                print(schedule.table())
         return 0
     if opts.max_per_device_batch:
         if budget is None:

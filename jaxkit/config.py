@@ -51,6 +51,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.batch.global_batch_size = config_dict.placeholder(int)  # rows per optimizer step
     c.batch.per_device_batch_size = config_dict.placeholder(int)  # rows per rank per micro-step
     c.batch.grad_accum_steps = config_dict.placeholder(int)  # micro-steps per optimizer step
+    # A global batch that grows (batch_schedule.py): "" = fixed; "EXAMPLES:GLOBAL,..." stages
+    # (e.g. "0:64,200000:128"; a t suffix counts tokens: "25Mt:128"); "auto" doubles K when
+    # the smoothed noise scale B_simple stays above the global batch. Only K changes.
+    c.batch.schedule = ""
+    c.batch.max_global_batch_size = config_dict.placeholder(int)  # auto: the largest, rows
+    c.batch.auto_patience = 3  # auto: log windows in a row with B_simple above the batch
 
     # Mesh axis sizes; one may be -1 to take the remaining devices.
     c.mesh = ml_collections.ConfigDict()
@@ -72,7 +78,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.grad_clip_norm = 0.0  # clip the accumulated gradient's global norm; 0 = off
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 100  # optimizer steps
+    c.train.steps = 100  # optimizer steps; or null and train.examples
+    c.train.examples = config_dict.placeholder(int)  # examples to train on, instead of steps
     c.train.seed = 0  # model init and data order
     c.train.log_every = 10  # optimizer steps between metrics records
     c.train.eval_every = 0  # optimizer steps between evals; 0 = only at the end
@@ -291,7 +298,6 @@ def _mesh_axis(value: object) -> str | None:
 _POSITIVE = _integer(1)
 _COUNT = _integer(0)  # 0 has a documented meaning (off, or every row)
 # Optimizer step counts are int32 in optax (and the schedules read them): 2**31 overflows.
-_STEPS = _integer(1, 2**31)
 _FRACTION_OPEN = _number(0, 1, open_low=False, open_high=True)  # [0, 1)
 
 # Every key of base_config(), and its constraint.
@@ -299,6 +305,9 @@ BASE_RULES: dict[str, Rule] = {
     "batch.global_batch_size": _integer(1, nullable=True),
     "batch.per_device_batch_size": _integer(1, nullable=True),
     "batch.grad_accum_steps": _integer(1, nullable=True),
+    "batch.schedule": _text(nullable=False),
+    "batch.max_global_batch_size": _integer(1, nullable=True),
+    "batch.auto_patience": _POSITIVE,
     "mesh.data": _mesh_axis,
     "mesh.fsdp": _mesh_axis,
     "mesh.tensor": _mesh_axis,
@@ -313,7 +322,8 @@ BASE_RULES: dict[str, Rule] = {
     "optimizer.b2": _FRACTION_OPEN,
     "optimizer.momentum": _FRACTION_OPEN,
     "optimizer.grad_clip_norm": _number(0, open_low=False, open_high=False),
-    "train.steps": _STEPS,
+    "train.steps": _integer(1, 2**31, nullable=True),
+    "train.examples": _integer(1, nullable=True),
     # jax.random.key keeps 32 bits: seed 2**32 would initialize exactly as seed 0.
     "train.seed": _integer(0, 2**32),
     "train.log_every": _POSITIVE,
@@ -404,6 +414,13 @@ def _check_relations(flat: dict[str, Any], kind: str) -> None:
     free = [f"mesh.{axis}" for axis in ("data", "fsdp", "tensor") if flat[f"mesh.{axis}"] == -1]
     if len(free) > 1:
         raise ConfigError(f"{', '.join(free)} are -1: at most one mesh axis may take the rest")
+    if (flat["train.steps"] is None) == (flat["train.examples"] is None):
+        both = flat["train.steps"] is not None
+        raise ConfigError(
+            "give one of train.steps (optimizer steps) and train.examples (examples to train "
+            f"on), not {'both' if both else 'neither'}"
+            + ("; set train.steps=null to run by examples" if both else "")
+        )
     if flat["train.profile_steps"]:
         parse_profile_steps(flat["train.profile_steps"], flat["train.steps"])
     if kind == "transformer":
@@ -441,7 +458,7 @@ def _check_mlp(flat: dict[str, Any]) -> None:
         )
 
 
-def parse_profile_steps(text: str, steps: int) -> tuple[int, int] | None:
+def parse_profile_steps(text: str, steps: int | None) -> tuple[int, int] | None:
     """`train.profile_steps="START:END"`: optimizer steps START..END-1 (0-based); "" = off."""
     if not text:
         return None
@@ -451,8 +468,7 @@ def parse_profile_steps(text: str, steps: int) -> tuple[int, int] | None:
         raise ConfigError(
             f"train.profile_steps={text!r} is not START:END (e.g. 10:12 traces steps 10 and 11)"
         ) from None
-    if not 0 <= start < end <= steps:
-        raise ConfigError(
-            f"train.profile_steps={text!r} needs 0 <= START < END <= train.steps={steps}"
-        )
+    if not 0 <= start < end or (steps is not None and end > steps):
+        bound = f" <= train.steps={steps}" if steps is not None else ""
+        raise ConfigError(f"train.profile_steps={text!r} needs 0 <= START < END{bound}")
     return start, end

@@ -33,8 +33,10 @@ import ml_collections
 import optax
 
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import BatchPlan, divisors, plan_from_config
+from jaxkit.batch_plan import BatchPlan, divisors
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import abstract_state
+from jaxkit.optimizer import Hyper
 from jaxkit.train_step import Setup, build
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -128,6 +130,7 @@ def split_config(
     out.batch.global_batch_size = None
     out.batch.per_device_batch_size = per_device_batch_size
     out.batch.grad_accum_steps = grad_accum_steps
+    out.batch.schedule, out.batch.max_global_batch_size = "", None  # one fixed global batch
     return out
 
 
@@ -152,6 +155,15 @@ def abstract_batch(
         key: jax.ShapeDtypeStruct(lead + shape, jnp.dtype(dtype), sharding=sharding)
         for key, (shape, dtype) in batch_row_spec(config).items()
     }
+
+
+def abstract_hyper(setup: Setup) -> Hyper:
+    """Shapes of the step's per-call arguments K and learning rate: scalars, replicated."""
+    replicated = setup.state_shardings.micro_step  # the state's replicated scalar
+    return Hyper(
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),
+    )
 
 
 class OutOfMemory(Exception):  # noqa: N818 — what the compiler said, not a bug here
@@ -179,13 +191,38 @@ def compile_setup_step(
     start = time.perf_counter()
     state = abstract_state(setup)
     try:
-        compiled = setup.step.lower(state, abstract_batch(config, plan, setup)).compile()
+        batch = abstract_batch(config, plan, setup)
+        compiled = setup.step.lower(state, batch, abstract_hyper(setup)).compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
         raise OutOfMemory(str(err).splitlines()[0]) from None
     seconds = time.perf_counter() - start
     return compiled, cost_of(compiled, plan.grad_accum_steps, update_flops(setup, state), seconds)
+
+
+class StepPrograms:
+    """The compiled step for each K a run uses: one program with MultiSteps (K is one of
+    its arguments), one per K in fused mode (K is the leading dimension of its batch)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, setup: Setup):
+        self.config, self.setup = config, setup
+        self.fused = setup.accumulation == "fused"
+        self.compiled: dict[int | None, tuple[jax.stages.Compiled, StepCost]] = {}
+
+    def _key(self, plan: BatchPlan) -> int | None:
+        return plan.grad_accum_steps if self.fused else None
+
+    def has(self, plan: BatchPlan) -> bool:
+        return self._key(plan) in self.compiled
+
+    def get(self, plan: BatchPlan) -> tuple[jax.stages.Compiled, StepCost]:
+        """The program for `plan`'s steps (compiled on first use), and its cost under it."""
+        key = self._key(plan)
+        if key not in self.compiled:
+            self.compiled[key] = compile_setup_step(self.config, plan, self.setup)
+        program, cost = self.compiled[key]
+        return program, dataclasses.replace(cost, calls_per_step=plan.grad_accum_steps)
 
 
 def update_flops(setup: Setup, state: Any) -> float:

@@ -31,18 +31,21 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxkit.models import cross_entropy
+from jaxkit.optimizer import Hyper, make_optimizer
 
 
 def fused_train_step(
     state: Any,
     batch: dict[str, jax.Array],
+    hyper: Hyper,
     *,
     graphdef: nnx.GraphDef,
-    tx: optax.MultiSteps,
+    config: Any,
     mesh: Mesh,
 ) -> tuple[Any, dict[str, jax.Array]]:
     """One optimizer step on a (K, micro_batch, ...) batch: local scan, one pmean."""
-    accum_steps = jax.tree.leaves(batch)[0].shape[0]
+    accum_steps = jax.tree.leaves(batch)[0].shape[0]  # K is in the batch's shape here
+    tx = make_optimizer(config, hyper)
 
     def accumulate(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
         """Mean gradient, mean loss, non-finite micro-batches and mean |micro-batch

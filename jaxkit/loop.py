@@ -23,16 +23,18 @@ import ml_collections
 import tqdm
 from jax.experimental.multihost_utils import reached_preemption_sync_point
 
-from jaxkit import costs
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit import peak as peak_lib
-from jaxkit.batch_plan import BatchPlan, plan_from_config
-from jaxkit.checkpoint import Checkpointer, Restored, resume
+from jaxkit.batch_plan import BatchPlan
+from jaxkit.batch_schedule import AUTO, AutoRamp, BatchSchedule, run_steps, schedule_from_config
+from jaxkit.checkpoint import Checkpointer, Restored, position_of, resume
 from jaxkit.config import ConfigError, config_to_json, parse_profile_steps, validate
+from jaxkit.costs import StepPrograms
 from jaxkit.distributed import check_agreement
 from jaxkit.metrics import RunDir, truncate_metrics
 from jaxkit.records import (
+    StepInfo,
     StepTracker,
     eval_record,
     format_record,
@@ -44,7 +46,6 @@ from jaxkit.train_step import (
     TrainState,
     build,
     check_on_mesh,
-    learning_rate_schedule,
 )
 from jaxkit.workdir import as_path, is_local, profiler_can_write, write_text_atomic
 
@@ -111,23 +112,35 @@ def train(
     if jax.process_index() != 0:  # one voice: only process 0 prints and writes
         echo, progress = (lambda *args: None), False
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
-    check_on_mesh(config, mesh_lib.mesh_shape(mesh))
-    plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
+    shape = mesh_lib.mesh_shape(mesh)
+    check_on_mesh(config, shape)
+    schedule = schedule_from_config(config, shape)
+    plan = schedule.first
     train_source, eval_source = data_lib.make_sources(config)
-    data_lib.check_sources(train_source, plan)
-    setup = build(config, plan, mesh)
+    data_lib.check_sources(train_source, schedule.largest)
+    setup = build(config, plan, mesh, schedule)
     check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
-    accum_steps, fused = plan.grad_accum_steps, setup.accumulation == "fused"
+    fused = setup.accumulation == "fused"
 
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())
-    # Compiled once, ahead of time: the loop calls this executable, and its cost analysis
-    # gives the FLOPs behind the throughput and MFU every record carries.
-    step_fn, cost = costs.compile_setup_step(config, plan, setup)
+    if schedule.kind != "fixed":
+        echo(f"batch schedule ({schedule.kind}):")
+        echo(schedule.table())
+    # Compiled once, ahead of time (once per K in fused mode): the loop calls these
+    # executables, and their cost analysis gives the FLOPs behind throughput and MFU.
+    programs = StepPrograms(config, setup)
+    cost = programs.get(plan)[1]
     peak = None
     if jax.process_index() == 0:  # only process 0 reports
         peak = peak_lib.device_peak(mesh.local_devices)
     tracker = StepTracker(config, plan, setup, cost, peak)
+
+    def schedule_of(meta: dict) -> BatchSchedule:
+        """This config's schedule, with the stages an auto ramp had decided by `meta`."""
+        saved = meta["loop"].get("batch_schedule") or {}
+        return schedule_from_config(config, shape, saved.get("decided"))
+
     checkpointer, restored = None, None
     if workdir is not None:
         checkpointer = Checkpointer(
@@ -137,36 +150,45 @@ def train(
             checkpointer,
             setup,
             config,
-            plan,
+            lambda meta: schedule_of(meta).plan_at(position_of(meta).examples),
             allow_batch_change=allow_batch_change,
             allow_longer=allow_longer,
             echo=echo,
         )
     position = data_lib.Position()
+    ramp = AutoRamp()
     if restored is not None:
         state, position = restored.state, restored.position
+        schedule = schedule_of(restored.meta)
+        setup = dataclasses.replace(setup, schedule=schedule)
+        ramp = AutoRamp.load(restored.meta["loop"].get("batch_schedule"))
         tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
     else:
         state = setup.init(jax.random.key(seed))
-    if position.step >= t.steps and workdir is not None:
+    total = run_steps(schedule, position.step, position.examples, t.get("examples"))
+    if position.step >= total and workdir is not None:
         if checkpointer:
             checkpointer.close()
         saved_events = restored.meta["loop"].get("events", []) if restored else []
         return _finished_run(
-            config, plan, state, workdir, position, saved_events, tracker, eval_source, echo
+            config, schedule, state, workdir, position, saved_events, tracker, eval_source, echo
         )
 
     # What changed at this resume: logged once, and kept in the checkpoints saved at this
     # step, so that a later resume from one of them keeps them in the log.
-    events = resume_events(restored, config, plan) if restored else []
+    at_plan = schedule.plan_at(position.examples)
+    events = resume_events(restored, config, at_plan, shape) if restored else []
     run_dir = None
     if workdir is not None and jax.process_index() == 0:
         # Whatever an earlier attempt logged past the step this run starts from goes.
         saved_events = restored.meta["loop"].get("events", []) if restored else []
         run_dir = RunDir(workdir, resume_after_step=position.step, saved_events=saved_events)
         run_dir.write_json("config.json", config_to_json(config))
-        run_dir.write_json("plan.json", plan.to_json())
-        run_dir.write_text("plan", "\n".join("    " + line for line in plan.table().splitlines()))
+        ramped = schedule.kind != "fixed"
+        plan_json = plan.to_json() | ({"batch_schedule": schedule.to_json()} if ramped else {})
+        run_dir.write_json("plan.json", plan_json)
+        table = plan.table() + ("\n\n" + schedule.table() if ramped else "")
+        run_dir.write_text("plan", "\n".join("    " + line for line in table.splitlines()))
         run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
         for event in events:
             run_dir.log_once(event)  # not twice: the checkpoint may hold it already
@@ -182,13 +204,15 @@ def train(
 
     kept_micro = 0  # micro-steps in a checkpoint of the same step that a save found on disk
 
-    def save(at: data_lib.Position, *, wait: bool = False) -> bool:
+    def save(at: data_lib.Position, at_plan: BatchPlan, *, wait: bool = False) -> bool:
+        """Saves the state at `at`, whose next micro-step runs under `at_plan`."""
         nonlocal kept_micro
         if checkpointer is None:
             return False
-        meta = {"config": config_to_json(config), "plan": plan.to_json()}
+        meta = {"config": config_to_json(config), "plan": at_plan.to_json()}
         loop_state = tracker.loop_state(at)
         loop_state["events"] = [e for e in events if e["step"] == at.step]
+        loop_state["batch_schedule"] = ramp.state(schedule)
         saved = checkpointer.save(at, state, dict(meta, loop=loop_state), wait=wait)
         if not saved:
             kept_micro = int(checkpointer.read_meta(at.step)["loop"].get("micro", 0))
@@ -196,20 +220,31 @@ def train(
 
     start = time.perf_counter()
     bar = tqdm.tqdm(
-        total=t.steps,
+        total=total,
         initial=position.step,
         unit="step",
         disable=not progress,
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    pending = None  # (step, micro, metrics) dispatched but not yet fetched
+    pending = None  # (step, micro, metrics, step info) dispatched but not yet fetched
+
+    def finish(fetched: tuple) -> None:
+        step, micro, metrics, info = fetched
+        record = tracker.micro_step_done(step, micro, metrics, info)
+        if record is None:
+            return
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if record["step"] % t.log_every == 0 or record["step"] == total:
+            emit(record)
+            tracker.close_window()
 
     def drain() -> None:
         """Waits for the last dispatched micro-step and takes its metrics."""
         nonlocal pending
         if pending is not None:
-            _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
+            finish(pending)
             pending = None
 
     profile_dir = as_path(workdir) / "profile" if workdir is not None else None
@@ -220,9 +255,19 @@ def train(
     # micro-step at which every process stops, so all save the same checkpoint.
     multi_process = jax.process_count() > 1
     tracker.restart_clock()  # the first step's time starts here, not at set-up
+    step, step_plan = position.step, at_plan
     with _stop_requests(handle_sigterm=not multi_process) as stop:
         try:
-            for step in range(position.step, t.steps):
+            while step < total:
+                step_plan = schedule.plan_at(examples)
+                accum_steps = step_plan.grad_accum_steps
+                if not programs.has(step_plan):  # fused: a new K is a new program
+                    drain()
+                    programs.get(step_plan)
+                    tracker.restart_clock()  # the compile is no step's time
+                step_fn, cost = programs.get(step_plan)
+                hyper = setup.hyper(step_plan, examples)
+                info = StepInfo(step_plan, float(hyper.learning_rate), cost)
                 if profile and step == profile[0] and profile_dir is not None:
                     drain()  # the trace starts with the devices idle, at a step boundary
                     # JAX converts to Perfetto with pathlib, local paths only (jax#19263).
@@ -236,16 +281,16 @@ def train(
                     for micro in micros:
                         if fused:
                             batch = data_lib.load_global_batch(
-                                train_source, examples, plan, seed, setup.fused_batch_sharding
+                                train_source, examples, step_plan, seed, setup.fused_batch_sharding
                             )
                         else:
                             batch = data_lib.load_micro_batch(
-                                train_source, examples, micro, plan, seed, setup.batch_sharding
+                                train_source, examples, micro, step_plan, seed, setup.batch_sharding
                             )
-                        state, metrics = step_fn(state, batch)
+                        state, metrics = step_fn(state, batch, hyper)
                         if pending is not None:
-                            _finish(tracker, bar, emit, *pending, t.log_every, t.steps)
-                        pending = (step, micro, metrics)
+                            finish(pending)
+                        pending = (step, micro, metrics, info)
                         micro_steps += accum_steps if fused else 1
                         if (
                             stop_after_micro_steps is not None
@@ -264,11 +309,11 @@ def train(
                             stop_signal = stop[0]
                             drain()
                             stopped_at = data_lib.Position(step, examples, micro + 1)
-                            saved = save(stopped_at, wait=True)
+                            saved = save(stopped_at, step_plan, wait=True)
                             break
                     if stop_signal:
                         break
-                examples += plan.global_batch_size
+                examples += step_plan.global_batch_size
                 done = step + 1
                 if tracing and profile and done == profile[1]:
                     drain()
@@ -276,19 +321,37 @@ def train(
                     tracing = False
                     echo(f"profile of optimizer steps {profile[0]}:{profile[1]} in {profile_dir}")
                     tracker.restart_clock()
-                if done == t.steps or (t.eval_every and done % t.eval_every == 0):
+                if done == total or (t.eval_every and done % t.eval_every == 0):
                     drain()  # evaluate these params before the next step changes them
-                    result = evaluate(setup, state.params, eval_source, plan, t.eval_examples)
-                    emit(eval_record(done, plan, result, tracker))
+                    result = evaluate(setup, state.params, eval_source, step_plan, t.eval_examples)
+                    emit(eval_record(done, step_plan, result, tracker))
                     tracker.restart_clock()
+                if schedule.kind == AUTO and done < total and done % t.log_every == 0:
+                    drain()  # the decision reads this window's noise scale
+                    noise = tracker.noise_scale.estimate().get("noise_scale")
+                    schedule = ramp.decide(schedule, noise, done, examples)
+                    setup = dataclasses.replace(setup, schedule=schedule)
+                    total = run_steps(schedule, done, examples, t.get("examples"))
+                    bar.total = total
+                next_plan = schedule.plan_at(examples)
+                if done < total and next_plan.global_batch_size != step_plan.global_batch_size:
+                    drain()  # the log reads in order: this step's record, then the change
+                    event = batch_change_event(
+                        done, examples, step_plan, next_plan, schedule, ramp.last_noise_scale
+                    )
+                    events.append(event)
+                    if run_dir:
+                        run_dir.log(event)
+                    echo(format_batch_change(event))
                 every = config.checkpoint.every
-                if stop or done == t.steps or (every and done % every == 0):
+                if stop or done == total or (every and done % every == 0):
                     drain()  # the saved loop state must include this step's losses
                     stopped_at = data_lib.Position(done, examples, 0)
-                    saved = save(stopped_at, wait=bool(stop) or done == t.steps)
-                    if stop and done < t.steps:  # a stop at the last step just finishes
+                    saved = save(stopped_at, next_plan, wait=bool(stop) or done == total)
+                    if stop and done < total:  # a stop at the last step just finishes
                         stop_signal = stop[0]
                         break
+                step = done
         finally:
             if tracing:
                 jax.profiler.stop_trace()
@@ -298,9 +361,22 @@ def train(
             if run_dir:
                 run_dir.close()
     if stop_signal:
-        echo(_stop_message(stop_signal, stopped_at, saved, kept_micro, checkpointer, accum_steps))
+        echo(
+            _stop_message(
+                stop_signal, stopped_at, saved, kept_micro, checkpointer, step_plan.grad_accum_steps
+            )
+        )
         return RunResult(plan=plan, state=state, records=records, summary={}, stopped=True)
-    summary = summarize(config, plan, records, tracker, eval_source, time.perf_counter() - start)
+    summary = summarize(
+        config,
+        step_plan,
+        records,
+        tracker,
+        eval_source,
+        time.perf_counter() - start,
+        total,
+        schedule.to_json() if schedule.kind != "fixed" else None,
+    )
     if checkpointer:
         summary["checkpoint_blocking_s"] = checkpointer.blocking_s
         summary["checkpoints_saved"] = checkpointer.saves
@@ -311,7 +387,7 @@ def train(
 
 
 def resume_events(
-    restored: Restored, config: ml_collections.ConfigDict, plan: BatchPlan
+    restored: Restored, config: ml_collections.ConfigDict, plan: BatchPlan, shape: dict[str, int]
 ) -> list[dict]:
     """What changed at a resume, as records in the run's own history (metrics.jsonl)."""
     meta, at = restored.meta, restored.position
@@ -338,28 +414,73 @@ def resume_events(
                 "examples_seen": at.examples,
             }
         )
-    saved_steps = int(meta["config"]["train"]["steps"])
-    if saved_steps != config.train.steps:  # --allow-longer: the schedule is re-laid
+    saved_t, t = meta["config"]["train"], config.train
+    key = "steps" if t.steps is not None else "examples"
+    if saved_t.get(key) != t[key]:  # --allow-longer: the schedule is re-laid
         old = ml_collections.ConfigDict(meta["config"])
-        before = learning_rate_schedule(old, float(meta["plan"]["learning_rate"]))
-        after = learning_rate_schedule(config, plan.learning_rate)
+        old_shape = meta["plan"]["mesh_shape"]
+        saved = meta["loop"].get("batch_schedule") or {}
+        before = schedule_from_config(old, old_shape, saved.get("decided"))
+        after = schedule_from_config(config, shape, saved.get("decided"))
         events.append(
             {
                 "event": "steps_change",
                 "step": at.step,
-                "from_steps": saved_steps,
-                "to_steps": config.train.steps,
+                f"from_{key}": saved_t.get(key),
+                f"to_{key}": t[key],
                 # The rate of the next optimizer step under the old and the new schedule.
-                "learning_rate_before": float(before(at.step)),
-                "learning_rate_after": float(after(at.step)),
+                "learning_rate_before": before.learning_rate(
+                    at.examples, before.plan_at(at.examples)
+                ),
+                "learning_rate_after": after.learning_rate(at.examples, plan),
             }
         )
     return events
 
 
+def batch_change_event(
+    done: int,
+    examples: int,
+    before: BatchPlan,
+    after: BatchPlan,
+    schedule: BatchSchedule,
+    noise_scale: float | None,
+) -> dict:
+    """A stage of the batch schedule begins after optimizer step `done`."""
+    event = {
+        "event": "batch_change",
+        "step": done,
+        "examples_seen": examples,
+        "reason": "auto" if schedule.kind == AUTO else "schedule",
+        "from_global_batch_size": before.global_batch_size,
+        "global_batch_size": after.global_batch_size,
+        "from_grad_accum_steps": before.grad_accum_steps,
+        "grad_accum_steps": after.grad_accum_steps,
+        "peak_learning_rate": after.learning_rate,
+    }
+    if schedule.kind == AUTO:
+        event["noise_scale"] = noise_scale  # the smoothed B_simple that decided it
+    if after.seq_len is not None:
+        event["tokens_seen"] = examples * after.seq_len
+    return event
+
+
+def format_batch_change(event: dict) -> str:
+    why = (
+        f"B_simple ≈ {event['noise_scale']:,.0f} above the batch"
+        if event["reason"] == "auto"
+        else "batch.schedule"
+    )
+    return (
+        f"step {event['step']:>6}  global batch {event['from_global_batch_size']} -> "
+        f"{event['global_batch_size']} (grad_accum_steps {event['from_grad_accum_steps']} -> "
+        f"{event['grad_accum_steps']}) at example {event['examples_seen']:,}: {why}"
+    )
+
+
 def _finished_run(
     config: ml_collections.ConfigDict,
-    plan: BatchPlan,
+    schedule: BatchSchedule,
     state: TrainState,
     workdir: str | os.PathLike,
     position: data_lib.Position,
@@ -371,7 +492,8 @@ def _finished_run(
     """A rerun on a finished workdir: nothing to train. A run that finished without its
     summary (killed between the last checkpoint and the summary, or extended by
     --allow-longer and abandoned) gets one from its log, up to its checkpoint."""
-    echo(f"{workdir} holds a finished run of {config.train.steps} steps; nothing to do")
+    echo(f"{workdir} holds a finished run of {position.step} steps; nothing to do")
+    plan = schedule.plan_at(position.examples)
     summary_file = as_path(workdir) / "summary.json"
     metrics_file = as_path(workdir) / "metrics.jsonl"
     records = []
@@ -382,7 +504,17 @@ def _finished_run(
         summary = json.loads(summary_file.read_text())
     else:
         records = [r for r in records if "event" not in r]
-        summary = summarize(config, plan, records, tracker, eval_source, 0.0)
+        fixed = schedule.kind == "fixed"
+        summary = summarize(
+            config,
+            plan,
+            records,
+            tracker,
+            eval_source,
+            0.0,
+            position.step,
+            None if fixed else schedule.to_json(),
+        )
         summary["rebuilt_from"] = "metrics.jsonl"  # no timings: they were never logged whole
         if jax.process_index() == 0:
             write_text_atomic(summary_file, json.dumps(summary, indent=2) + "\n")
@@ -439,23 +571,3 @@ def _stop_requests(handle_sigterm: bool = True) -> Iterator[list[str]]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-def _finish(
-    tracker: StepTracker,
-    bar: tqdm.tqdm,
-    emit: Callable[[dict], None],
-    step: int,
-    micro: int,
-    metrics: dict[str, jax.Array],
-    log_every: int,
-    steps: int,
-) -> None:
-    record = tracker.micro_step_done(step, micro, metrics)
-    if record is None:
-        return
-    bar.update(1)
-    bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-    if record["step"] % log_every == 0 or record["step"] == steps:
-        emit(record)
-        tracker.close_window()

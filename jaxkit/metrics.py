@@ -34,6 +34,8 @@ TRAIN_TAGS = {
     "flops_per_s": "throughput/flops_per_s",
     "mfu": "throughput/mfu",
     "noise_scale": "noise_scale/b_simple",
+    "global_batch_size": "batch/global_batch_size",
+    "grad_accum_steps": "batch/grad_accum_steps",
     "grad_sq_estimate": "noise_scale/grad_sq",
     "grad_var_estimate": "noise_scale/grad_var",
 }
@@ -117,10 +119,14 @@ class RunDir:
         clean = {k: _jsonable(v) for k, v in record.items()}
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
-        tags = EVAL_TAGS if "eval_loss" in record else TRAIN_TAGS
-        for key, tag in tags.items():
-            if record.get(key) is not None:  # None: e.g. no grad_norm for a skipped step
-                self._tensorboard.add_scalar(tag, record[key], global_step=record["step"])
+        if "event" in record:  # a plan or batch change, a redone half-step: text, not curves
+            text = "    " + json.dumps(clean, indent=2).replace("\n", "\n    ")
+            self._tensorboard.add_text(f"events/{record['event']}", text, record["step"])
+        else:
+            tags = EVAL_TAGS if "eval_loss" in record else TRAIN_TAGS
+            for key, tag in tags.items():
+                if record.get(key) is not None:  # None: e.g. no grad_norm for a skipped step
+                    self._tensorboard.add_scalar(tag, record[key], global_step=record["step"])
         self._tensorboard.flush()
         if self._remote and time.monotonic() - self._uploaded_at >= self._upload_every_s:
             self._upload()

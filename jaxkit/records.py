@@ -6,6 +6,7 @@ a finished run ends with.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -26,6 +27,15 @@ class NonFiniteLossError(RuntimeError):
     """Too many non-finite micro-batches in a row."""
 
 
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What the host knew of an optimizer step when it dispatched it."""
+
+    plan: BatchPlan  # its stage of the batch schedule
+    learning_rate: float  # the rate it applies
+    cost: StepCost | None = None  # compiled FLOPs and memory of its program
+
+
 class StepTracker:
     """Host-side bookkeeping for fetched micro-steps: losses, timing, non-finite streaks."""
 
@@ -41,11 +51,11 @@ class StepTracker:
         self.cost, self.peak = cost, peak  # compiled FLOPs per step; the devices' peak
         # The noise scale's small batch: a micro-batch, or one device's share of it (fused).
         b_small = small_batch_size(plan, setup.accumulation)
-        self.noise_scale = (
-            NoiseScale(b_small, plan.global_batch_size, config.train.noise_scale_decay)
-            if b_small < plan.global_batch_size
-            else None  # one micro-batch on one device per step: no second batch size
-        )
+        # Updated only by steps with a second, larger batch size than b_small (K > 1, or
+        # fused on several data groups); a growing batch may bring one later.
+        decay = config.train.noise_scale_decay
+        self.noise_scale = NoiseScale(b_small, plan.global_batch_size, decay)
+        self.learning_rate = float("nan")
         self.small_grad_sq: list[float] = []  # this optimizer step's, one per call
         self.step_nonfinite = 0
         self.log_every = config.train.log_every
@@ -80,7 +90,7 @@ class StepTracker:
             "nonfinite_in_row_at_step_start": self.in_row_at_step_start,
             "partial_step_small_grad_sq": list(self.small_grad_sq),
             "partial_step_nonfinite": self.step_nonfinite,
-            "noise_scale": self.noise_scale.state() if self.noise_scale else None,
+            "noise_scale": self.noise_scale.state(),
         }
 
     def load_loop_state(self, saved: dict, *, partial_step: bool = True) -> None:
@@ -90,7 +100,7 @@ class StepTracker:
             self.losses = [float(x) for x in saved["partial_step_losses"]]
             self.small_grad_sq = [float(x) for x in saved.get("partial_step_small_grad_sq", [])]
             self.step_nonfinite = int(saved.get("partial_step_nonfinite", 0))
-        if self.noise_scale and saved.get("noise_scale"):
+        if saved.get("noise_scale"):
             # Batch sizes may differ after a plan change: the averages carry over regardless.
             self.noise_scale.load(saved["noise_scale"])
         self.skipped = int(saved["skipped_micro_batches"])
@@ -109,9 +119,17 @@ class StepTracker:
     def restart_clock(self) -> None:
         self.last_mark = time.perf_counter()
 
-    def micro_step_done(self, step: int, micro: int, metrics: dict[str, jax.Array]) -> dict | None:
-        """Takes a fetched micro-step; returns the step's record when it ends a log window."""
+    def micro_step_done(
+        self, step: int, micro: int, metrics: dict[str, jax.Array], info: StepInfo
+    ) -> dict | None:
+        """Takes a fetched micro-step of a step dispatched under `info`; returns the step's
+        record when it ends a log window."""
         m = jax.device_get(metrics)
+        if info.plan.global_batch_size != self.plan.global_batch_size:
+            # A new stage of the batch schedule: its step times are its own.
+            self.window_times, self.all_times = [], []
+        self.plan, self.learning_rate = info.plan, info.learning_rate
+        self.cost = info.cost or self.cost
         self.micro_steps += self.plan.grad_accum_steps if self.fused else 1
         self.losses.append(float(m["loss"]))
         self.small_grad_sq.append(float(m["small_grad_sq"]))
@@ -145,13 +163,19 @@ class StepTracker:
         # A fused step with a bad micro-batch was not applied: it has no gradient norm.
         skipped_whole = self.fused and self.step_nonfinite > 0
         grad_norm = None if skipped_whole else float(m["grad_norm"])
-        if self.noise_scale and self.step_nonfinite == 0 and grad_norm is not None:
+        self.noise_scale.b_big = self.plan.global_batch_size
+        if self.step_nonfinite == 0 and grad_norm is not None and self.has_two_batch_sizes:
             self.noise_scale.update(float(np.mean(self.small_grad_sq)), grad_norm**2)
         self.small_grad_sq, self.step_nonfinite = [], 0
         self.in_row_at_step_start = self.nonfinite_in_row
         record = self._record(done, grad_norm)
         self.losses = []
         return record
+
+    @property
+    def has_two_batch_sizes(self) -> bool:
+        """Whether this stage's steps give the noise scale its second batch size."""
+        return self.noise_scale.b_small < self.plan.global_batch_size
 
     def _record(self, done: int, grad_norm: float | None) -> dict:
         plan = self.plan
@@ -160,19 +184,20 @@ class StepTracker:
             "step": done,
             "micro_step": self.micro_steps,
             "loss": float(np.mean(self.losses)),  # mean over the global batch
-            "learning_rate": float(self.setup.schedule(done - 1)),
+            "learning_rate": self.learning_rate,
             "grad_norm": grad_norm,
             "examples_seen": self.examples_seen,
             "step_time_s": step_time,
             "examples_per_s": plan.global_batch_size / step_time,
             "skipped_micro_batches": self.skipped,
+            "global_batch_size": plan.global_batch_size,
+            "grad_accum_steps": plan.grad_accum_steps,
         }
         if plan.seq_len is not None and plan.tokens_per_step is not None:
             record["tokens_seen"] = self.examples_seen * plan.seq_len
             record["tokens_per_s"] = plan.tokens_per_step / step_time
         record.update(self.utilisation(step_time))
-        if self.noise_scale:
-            record.update(self.noise_scale.estimate())
+        record.update(self.noise_scale.estimate())
         return record
 
     def utilisation(self, step_time: float | None) -> dict:
@@ -225,14 +250,20 @@ def summarize(
     tracker: StepTracker,
     eval_source: data_lib.Source,
     wall_s: float,
+    steps: int,
+    schedule: dict | None = None,
 ) -> dict:
+    """The finished run: `plan` is its last stage's, whose steps the timings describe;
+    `schedule` the batch schedule's JSON when the batch changed during the run."""
     train_records = [r for r in records if "loss" in r]
     eval_records = [r for r in records if "eval_loss" in r]
     step_time = statistics.median(tracker.all_times) if tracker.all_times else None
     summary = {
         "config": config.get("name"),
-        "steps": config.train.steps,
+        "steps": steps,
+        "examples_seen": tracker.examples_seen,
         "global_batch_size": plan.global_batch_size,
+        "grad_accum_steps": plan.grad_accum_steps,
         "final_loss": train_records[-1]["loss"] if train_records else None,
         "eval_loss": eval_records[-1]["eval_loss"] if eval_records else None,
         "eval_accuracy": eval_records[-1]["eval_accuracy"] if eval_records else None,
@@ -245,8 +276,9 @@ def summarize(
     if plan.tokens_per_step is not None and step_time:
         summary["tokens_per_s"] = plan.tokens_per_step / step_time
     summary.update(tracker.utilisation(step_time))
-    if tracker.noise_scale:
-        summary.update(tracker.noise_scale.estimate())
+    summary.update(tracker.noise_scale.estimate())
+    if schedule is not None:
+        summary["batch_schedule"] = schedule
     if tracker.cost is not None:
         summary["compile_s"] = tracker.cost.compile_s
         summary["memory_bytes"] = tracker.cost.memory_bytes  # compiled, per device

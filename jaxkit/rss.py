@@ -65,7 +65,7 @@ def measure(config_dict: dict, per_device_batch_size: int, devices: int) -> dict
 
     from jaxkit import costs
     from jaxkit import mesh as mesh_lib
-    from jaxkit.batch_plan import plan_from_config
+    from jaxkit.batch_schedule import plan_from_config
     from jaxkit.train_step import build
 
     config = costs.split_config(ml_collections.ConfigDict(config_dict), per_device_batch_size, 1)
@@ -81,7 +81,7 @@ def measure(config_dict: dict, per_device_batch_size: int, devices: int) -> dict
         batch = {
             k: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding) for k, s in specs.items()
         }
-        state, metrics = step(state, batch)
+        state, metrics = step(state, batch, setup.hyper(plan))
         jax.block_until_ready((state, metrics))
 
     one_step()  # warm: thread pools, runtime caches

@@ -2,7 +2,8 @@
 
 The step is one pure function `(state, batch) -> (state, metrics)` run once per
 micro-batch; `optax.MultiSteps` accumulates K micro-batch gradients (their mean) and
-applies the inner optimizer on the K-th call, so schedules count optimizer steps.
+applies the inner optimizer on the K-th call. K and the learning rate are arguments of the
+step (Hyper), so a batch schedule that changes K between optimizer steps compiles once.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan
+from jaxkit.batch_schedule import BatchSchedule, fixed_schedule
 from jaxkit.config import ConfigError
 from jaxkit.fused_step import fused_train_step
 from jaxkit.models import build_model, check_mesh_divides, cross_entropy, token_cross_entropy
+from jaxkit.optimizer import Hyper, applied_grad_norm, hyper_for, make_optimizer
 
 
 @struct.dataclass
@@ -39,81 +42,13 @@ class TrainState:
         return self.opt_state.gradient_step
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict, peak: float) -> optax.Schedule:
-    """Linear warmup from peak/warmup, then cosine decay; counted in optimizer steps."""
-    o, steps = config.optimizer, config.train.steps
-    warmup = max(int(o.warmup_steps), 0)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=peak / max(warmup, 1),
-        peak_value=peak,
-        warmup_steps=warmup,
-        decay_steps=max(steps, warmup + 1),
-        end_value=peak * o.final_lr_fraction,
-    )
-
-
-def _is_matrix(params: Any) -> Any:
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
-def make_optimizer(
-    config: ml_collections.ConfigDict, plan: BatchPlan
-) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """MultiSteps(K) around (record norm, clip, adamw | sgd), with the plan's scaled LR.
-
-    The inner chain always has these three parts (clip may be the identity), so its state
-    is laid out the same whatever the config: (GradNormState, clip state, optimizer state).
-    """
-    o = config.optimizer
-    schedule = learning_rate_schedule(config, plan.learning_rate)
-    if o.name == "adamw":
-        inner = optax.adamw(
-            schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=_is_matrix
-        )
-    elif o.name == "sgd":
-        decay = optax.add_decayed_weights(o.weight_decay, mask=_is_matrix)
-        inner = optax.chain(decay, optax.sgd(schedule, momentum=o.momentum or None))
-    else:
-        raise ConfigError(f"optimizer.name={o.name!r} is not one of adamw, sgd")
-    clip = optax.clip_by_global_norm(o.grad_clip_norm) if o.grad_clip_norm > 0 else optax.identity()
-    inner = optax.chain(record_grad_norm(), clip, inner)
-    return optax.MultiSteps(inner, every_k_schedule=plan.grad_accum_steps), schedule
-
-
-class GradNormState(NamedTuple):
-    grad_norm: jax.Array  # float32: global norm of the gradient the optimizer last applied
-
-
-def record_grad_norm() -> optax.GradientTransformation:
-    """Passes updates through and keeps their global norm in its state.
-
-    Inside MultiSteps it sees the accumulated mean gradient, and its state is kept only on
-    the K-th micro-step: so it holds the norm of each optimizer step's gradient.
-    """
-
-    def init(params: Any) -> GradNormState:
-        del params
-        return GradNormState(jnp.zeros((), jnp.float32))
-
-    def update(updates: Any, state: GradNormState, params: Any = None) -> tuple:
-        del state, params
-        return updates, GradNormState(optax.tree.norm(updates))
-
-    return optax.GradientTransformation(init, update)
-
-
-def applied_grad_norm(opt_state: optax.MultiStepsState) -> jax.Array:
-    """The norm of the gradient of the last optimizer step (before clipping)."""
-    return opt_state.inner_opt_state[0].grad_norm
-
-
 @dataclasses.dataclass(frozen=True)
 class Setup:
     """What the loop, the benchmarks and the tests need to run steps on a mesh."""
 
     graphdef: nnx.GraphDef
-    tx: optax.GradientTransformation
-    schedule: optax.Schedule
+    tx: optax.MultiSteps  # laid out as the step's; K and the rate are the step's arguments
+    schedule: BatchSchedule  # the plan and learning rate of every optimizer step
     state_shardings: TrainState
     batch_sharding: jax.sharding.NamedSharding  # a micro-batch: rows over the batch axes
     init: jax.stages.Wrapped  # jitted key -> state, born sharded
@@ -121,8 +56,12 @@ class Setup:
     # per call, sharded as fused_batch_sharding, and makes a whole optimizer step.
     accumulation: str
     fused_batch_sharding: jax.sharding.NamedSharding
-    step: jax.stages.Wrapped  # jitted (state, batch) -> (state, metrics), state donated
+    step: jax.stages.Wrapped  # jitted (state, batch, hyper) -> (state, metrics), donated state
     eval_step: Callable  # jitted (params, batch) -> metrics
+
+    def hyper(self, plan: BatchPlan, examples: int = 0) -> Hyper:
+        """K and the rate of the optimizer step under `plan` that starts at `examples`."""
+        return hyper_for(self.schedule, plan, examples)
 
 
 def _abstract_model(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, nnx.State]:
@@ -130,9 +69,16 @@ def _abstract_model(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, nn
         return nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
 
 
-def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Setup:
-    """The state layout and the jitted init, train and eval steps for one mesh and plan."""
-    tx, schedule = make_optimizer(config, plan)
+def build(
+    config: ml_collections.ConfigDict,
+    plan: BatchPlan,
+    mesh: Mesh,
+    schedule: BatchSchedule | None = None,
+) -> Setup:
+    """The state layout and the jitted init, train and eval steps for one mesh and plan
+    (the first stage of `schedule`, which defaults to `plan` for the whole run)."""
+    schedule = schedule or fixed_schedule(config, plan)
+    tx = make_optimizer(config, hyper_for(schedule, plan, 0))
     graphdef, abstract_params = _abstract_model(config)
     param_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     opt_specs = optax.tree_map_params(
@@ -160,16 +106,16 @@ def build(config: ml_collections.ConfigDict, plan: BatchPlan, mesh: Mesh) -> Set
     accumulation = config.train.accumulation
     fused_batch_sharding = NamedSharding(mesh, P(None, mesh_lib.BATCH_AXES))
     if accumulation == "multisteps":
-        step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx)
+        step_fn = functools.partial(train_step, graphdef=graphdef, config=config)
         step_batch_sharding = batch_sharding
     elif accumulation == "fused":
-        step_fn = functools.partial(fused_train_step, graphdef=graphdef, tx=tx, mesh=mesh)
+        step_fn = functools.partial(fused_train_step, graphdef=graphdef, config=config, mesh=mesh)
         step_batch_sharding = fused_batch_sharding
     else:
         raise ConfigError(f"train.accumulation={accumulation!r} is not one of multisteps, fused")
     step = jax.jit(
         on_mesh(step_fn, mesh),
-        in_shardings=(state_shardings, step_batch_sharding),
+        in_shardings=(state_shardings, step_batch_sharding, replicated),
         out_shardings=(state_shardings, replicated),
         donate_argnames="state",
     )
@@ -216,9 +162,10 @@ def _all_finite(tree: Any) -> jax.Array:
 def train_step(
     state: TrainState,
     batch: dict[str, jax.Array],
+    hyper: Hyper,
     *,
     graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
+    config: ml_collections.ConfigDict,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One micro-step: gradient of the micro-batch's mean loss, fed to MultiSteps.
 
@@ -233,7 +180,7 @@ def train_step(
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     finite = jnp.isfinite(loss) & _all_finite(grads)
     grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates, opt_state = make_optimizer(config, hyper).update(grads, state.opt_state, state.params)
     new_state = TrainState(
         params=optax.apply_updates(state.params, updates),
         opt_state=opt_state,

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from jaxkit import loop as loop_lib
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import Checkpointer, CheckpointError, abstract_state, empty_accumulator
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import make_sources, stream_rows

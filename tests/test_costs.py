@@ -10,7 +10,7 @@ from flax import nnx
 from test_cli import jaxkit
 
 from jaxkit import costs, peak
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.loop import train
 from jaxkit.models import build_model

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from small_configs import SMALL_LM
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import global_batch_rows, make_sources
 from jaxkit.loop import train

@@ -182,3 +182,21 @@ def test_the_cli_writes_the_report_and_exits_2_on_a_bad_request(tmp_path):
     assert out.returncode == 2 and "DEVICESxPER_DEVICExACCUM" in out.stderr
     out = jaxkit("experiment", "equivalence", "mlp_digits", "--splits", "4x4x1", "--out", "x")
     assert out.returncode == 2 and "not the config's 32" in out.stderr
+
+
+def test_batch_ramp_runs_four_batches_on_the_same_examples(tmp_path):
+    report = experiments.run(
+        "batch-ramp", _digits(), tmp_path, experiments.Options(steps=8)
+    ).read_text()
+    rows = {r[0]: r for r in _rows(report, "run")}
+    assert list(rows) == ["fixed 32", "fixed 128", "ramp 32→64→128", "auto 32→≤128"]
+    # 8 steps of 32 = 256 examples: 2 steps of 128; the ramp 2 × 32, 1 × 64, 1 × 128.
+    assert [(rows[n][1], int(rows[n][2]), rows[n][3]) for n in list(rows)[:3]] == [
+        ("32", 8, "256"),
+        ("128", 2, "256"),
+        ("32→64→128", 4, "256"),
+    ]
+    assert rows["fixed 32"][5] != "not reached"  # its own final loss, by its last step
+    # K = 1 on 8 devices × 4 rows: every run halves the per-device batch so auto can start.
+    assert "per-device batch 4 -> 2 for every run" in report
+    assert (tmp_path / "loss_vs_examples.png").is_file()

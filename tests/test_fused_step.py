@@ -8,7 +8,7 @@ import pytest
 from small_configs import SMALL_LM
 
 from jaxkit import loop as loop_lib
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import load_global_batch, load_micro_batch, make_sources
 from jaxkit.hlo import collectives, runs_per_call
@@ -76,7 +76,7 @@ def test_fused_all_reduces_once_per_optimizer_step_multisteps_k_times(accum):
         else:
             batch = load_micro_batch(source, 0, 0, plan, 0, setup.batch_sharding)
             calls = accum
-        hlo = setup.step.lower(state, batch).compile().as_text()
+        hlo = setup.step.lower(state, batch, setup.hyper(plan)).compile().as_text()
         found = collectives(hlo, mesh_shape(mesh))
         per_step[mode] = calls * runs_per_call(found, "all-reduce", loop_trips=accum)
         if mode == "fused":
@@ -91,11 +91,12 @@ def test_a_fused_step_with_a_non_finite_micro_batch_is_skipped_whole():
     setup = build(config, plan, mesh)
     source, _ = make_sources(config)
     state = setup.init(jax.random.key(0))
-    state, _ = setup.step(state, load_global_batch(source, 0, plan, 0, setup.fused_batch_sharding))
+    first = load_global_batch(source, 0, plan, 0, setup.fused_batch_sharding)
+    state, _ = setup.step(state, first, setup.hyper(plan))
     before = jax.device_get(state)  # one good step in: Adam's moments are not zeros
     batch = load_global_batch(source, 32, plan, 0, setup.fused_batch_sharding)
     poisoned = dict(batch, inputs=batch["inputs"].at[1, 3].set(np.nan))
-    state, metrics = setup.step(state, poisoned)
+    state, metrics = setup.step(state, poisoned, setup.hyper(plan))
     assert int(metrics["nonfinite"]) == plan.grad_accum_steps  # every micro-batch dropped
     after = jax.device_get(state)
     for x, y in zip(jax.tree.leaves(before.params), jax.tree.leaves(after.params), strict=True):
@@ -113,7 +114,7 @@ def test_a_fused_step_with_a_non_finite_micro_batch_is_skipped_whole():
             np.testing.assert_array_equal(x, y)
     assert int(after.opt_state.inner_opt_state[2][0].count) == int(state.step) == 2
     assert int(state.micro_step) == 2 * plan.grad_accum_steps
-    state, metrics = setup.step(state, batch)
+    state, metrics = setup.step(state, batch, setup.hyper(plan))
     assert int(metrics["nonfinite"]) == 0 and np.isfinite(float(metrics["loss"]))
     for leaf in jax.tree.leaves(jax.device_get(state)):
         assert np.all(np.isfinite(leaf))

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from small_configs import SMALL_LM
 
 from jaxkit import costs
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.hlo import (
     Collective,

@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import make_sources
 from jaxkit.loop import evaluate

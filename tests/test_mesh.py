@@ -4,7 +4,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from small_configs import SMALL_LM
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.mesh import MeshError, make_mesh, mesh_shape, resolve_mesh_shape
 from jaxkit.train_step import build

@@ -9,7 +9,7 @@ from test_equivalence import STEPS, reference_for, small_config
 
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.loop import train
 from jaxkit.models import build_model, cross_entropy
@@ -109,11 +109,11 @@ def test_the_step_reports_the_small_batch_gradient_norm(accumulation):
     rows = [data_lib.micro_batch_rows(0, m, plan, len(source), 0) for m in range(2)]
     if accumulation == "multisteps":
         batch = data_lib.load_micro_batch(source, 0, 0, plan, 0, setup.batch_sharding)
-        _, metrics = setup.step(state, batch)
+        _, metrics = setup.step(state, batch, setup.hyper(plan))
         expected = sq_norm(source[rows[0]])
     else:
         batch = data_lib.load_global_batch(source, 0, plan, 0, setup.fused_batch_sharding)
-        _, metrics = setup.step(state, batch)
+        _, metrics = setup.step(state, batch, setup.hyper(plan))
         b = plan.per_device_batch_size
         shares = [r[i * b : (i + 1) * b] for r in rows for i in range(8)]
         expected = float(np.mean([sq_norm(source[s]) for s in shares]))

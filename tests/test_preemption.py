@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import Checkpointer, abstract_state
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.mesh import make_mesh, mesh_shape

@@ -2,7 +2,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import ConfigError, apply_overrides, load_config
 from jaxkit.data import load_micro_batch, make_sources
 from jaxkit.loop import train
@@ -43,9 +43,8 @@ def test_learning_rate_schedule_advances_once_per_optimizer_step():
     state = setup.init(jax.random.key(0))
     before = jax.device_get(state.params)
     for micro in range(4):
-        state, _ = setup.step(
-            state, load_micro_batch(source, 0, micro, plan, 0, setup.batch_sharding)
-        )
+        batch = load_micro_batch(source, 0, micro, plan, 0, setup.batch_sharding)
+        state, _ = setup.step(state, batch, setup.hyper(plan))
         after = jax.device_get(state.params)
         changed = any(
             np.any(a != b)
@@ -65,10 +64,10 @@ def test_non_finite_micro_batch_is_skipped_and_counted():
     state = setup.init(jax.random.key(0))
     good = load_micro_batch(source, 0, 0, plan, 0, setup.batch_sharding)
     bad = dict(good, inputs=good["inputs"] * np.nan)
-    state, m_bad = setup.step(state, bad)
+    state, m_bad = setup.step(state, bad, setup.hyper(plan))
     assert int(m_bad["nonfinite"]) == 1
     assert np.all(np.isfinite(np.asarray(state.opt_state.acc_grads["head"]["kernel"])))
-    state, m_good = setup.step(state, good)
+    state, m_good = setup.step(state, good, setup.hyper(plan))
     assert int(m_good["nonfinite"]) == 0 and int(state.step) == 1
     for leaf in jax.tree.leaves(jax.device_get(state.params)):
         assert np.all(np.isfinite(leaf))

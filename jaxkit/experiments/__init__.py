@@ -241,7 +241,14 @@ def run(
     echo: Callable[[str], None] = print,
 ) -> pathlib.Path:
     """Runs experiment `name`, writing OUT/report.md; Interrupted leaves a partial report."""
-    from jaxkit.experiments import batch_size, equivalence, memory, noise, throughput
+    from jaxkit.experiments import (
+        batch_ramp,
+        batch_size,
+        equivalence,
+        memory,
+        noise,
+        throughput,
+    )
 
     runners = {
         "equivalence": equivalence.run,
@@ -249,6 +256,7 @@ def run(
         "throughput": throughput.run,
         "batch-size": batch_size.run,
         "noise-scale": noise.run,
+        "batch-ramp": batch_ramp.run,
     }
     if name not in runners:
         raise ExperimentError(f"no experiment {name!r}; choose one of {', '.join(runners)}")

@@ -15,7 +15,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from jaxkit.batch_plan import LR_SCALINGS, BatchPlanError, plan_from_config
+from jaxkit.batch_plan import LR_SCALINGS, BatchPlanError
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.experiments import (
     ExperimentError,
     Options,

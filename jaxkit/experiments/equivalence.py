@@ -14,7 +14,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.costs import format_bytes
 from jaxkit.experiments import (
     ExperimentError,

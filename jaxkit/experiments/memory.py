@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxkit import costs, rss
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import abstract_state
 from jaxkit.experiments import Options, Report, drive, live_mesh, new_figure, powers_of_two
 from jaxkit.train_step import build

@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.experiments import (
     ExperimentError,
     Options,

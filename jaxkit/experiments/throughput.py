@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 from matplotlib.figure import Figure
 
-from jaxkit.batch_plan import plan_from_config
+from jaxkit.batch_schedule import plan_from_config
 from jaxkit.costs import split_config
 from jaxkit.experiments import Options, Report, drive, live_mesh, powers_of_two, train_unit
 

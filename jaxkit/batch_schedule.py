@@ -1,0 +1,414 @@
+"""A global batch that may grow during training: stages of the batch plan, by examples.
+
+    batch.schedule = ""                      one stage: the plan of batch.* for the whole run
+    batch.schedule = "0:64,200000:128"       stage i starts at example E_i with global batch G_i
+    batch.schedule = "0:64,25Mt:128"         ... or at token T_i (a `t` suffix; E = ⌈T / seq_len⌉)
+    batch.schedule = "auto"                  K doubles when the measured noise scale says so
+
+Every stage keeps the micro-batch (data_parallel × per_device rows) and changes only K, so
+memory stays flat and the MultiSteps step, which takes K as an argument, compiles once.
+An optimizer step belongs to the stage in force at the example it starts reading from: a
+stage starts at the first step boundary at or after its E_i (shown when they differ).
+
+The learning rate follows the stages: its peak is scaled by optimizer.lr_scaling for each
+stage's global batch, and warmup and cosine decay are laid over examples, not optimizer
+steps (steps change size). For a fixed batch that is the same curve as one laid over steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import ml_collections
+
+from jaxkit.batch_plan import BatchPlan, BatchPlanError, format_table, make_batch_plan
+
+AUTO = "auto"
+_STAGE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kMG]?)\s*(t?)\s*:\s*([0-9]+)\s*")
+_SCALE = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_stages(text: str, seq_len: int | None) -> list[tuple[int, int]]:
+    """`"E:G,..."` → [(first example, global batch), ...]; `t` marks a token count."""
+    stages: list[tuple[int, int]] = []
+    for item in text.split(","):
+        found = _STAGE.fullmatch(item)
+        if not found:
+            raise BatchPlanError(
+                f"batch.schedule stage {item.strip()!r} is not EXAMPLES:GLOBAL_BATCH (e.g. "
+                "0:64,200000:128; k, M or G scale the count, a t suffix makes it tokens: "
+                "25Mt:128); or write batch.schedule=auto"
+            )
+        number, scale, tokens, batch = found.groups()
+        count = float(number) * _SCALE[scale]
+        if count != int(count):
+            raise BatchPlanError(f"batch.schedule stage {item.strip()!r}: not a whole count")
+        start = int(count)
+        if tokens:
+            if seq_len is None:
+                raise BatchPlanError(
+                    f"batch.schedule stage {item.strip()!r} counts tokens, but this data has "
+                    "no data.seq_len: count examples (no t suffix)"
+                )
+            start = -(-start // seq_len)  # the first example that starts at or past it
+        if int(batch) <= 0:
+            raise BatchPlanError(f"batch.schedule stage {item.strip()!r}: the batch must be > 0")
+        if stages and start <= stages[-1][0]:
+            raise BatchPlanError(
+                f"batch.schedule: stage {item.strip()!r} starts at example {start:,}, not after "
+                f"the stage before it ({stages[-1][0]:,}): list stages in increasing order"
+            )
+        stages.append((start, int(batch)))
+    if stages[0][0] != 0:
+        raise BatchPlanError(
+            f"batch.schedule must start at example 0 (its first stage starts at "
+            f"{stages[0][0]:,}): write 0:GLOBAL_BATCH first"
+        )
+    return stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    asked_examples: int  # where the schedule says the stage starts
+    plan: BatchPlan
+    first_step: int = 0  # optimizer steps before it, in this run (from the walk below)
+    first_example: int = 0  # where its first optimizer step starts reading
+    steps: int = 0  # optimizer steps in it; 0: not reached within the run's length
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSchedule:
+    """The plan of every optimizer step, and its learning rate, as functions of examples."""
+
+    kind: str  # fixed | scheduled | auto
+    stages: tuple[Stage, ...]
+    total_steps: int | None  # None: auto by examples, decided as the run goes
+    total_examples: int  # where the learning rate's decay ends
+    warmup_examples: int
+    initial_lr_fraction: float  # the first step's rate, as a fraction of the peak
+    final_lr_fraction: float
+    max_global_batch_size: int | None = None  # auto
+    patience: int = 0  # auto: log windows in a row with B_simple above the batch
+
+    @property
+    def first(self) -> BatchPlan:
+        return self.stages[0].plan
+
+    @property
+    def largest(self) -> BatchPlan:
+        if self.kind == AUTO and self.max_global_batch_size is not None:
+            return _stage_plan(self.first, self.max_global_batch_size)
+        return max((s.plan for s in self.stages), key=lambda p: p.global_batch_size)
+
+    def stage_at(self, examples: int) -> Stage:
+        """The stage of the optimizer step that starts reading at stream example `examples`."""
+        here = self.stages[0]
+        for stage in self.stages[1:]:
+            if stage.asked_examples <= examples:
+                here = stage
+        return here
+
+    def plan_at(self, examples: int) -> BatchPlan:
+        return self.stage_at(examples).plan
+
+    def learning_rate(self, examples: int, plan: BatchPlan) -> float:
+        """The rate of the optimizer step starting at `examples` under `plan`: the plan's
+        scaled peak × linear warmup then cosine decay, both over examples (float64)."""
+        w, d = self.warmup_examples, self.total_examples
+        if examples < w:
+            start = self.initial_lr_fraction
+            return plan.learning_rate * (start + (1 - start) * examples / w)
+        end = self.final_lr_fraction
+        progress = min(examples - w, d - w) / (d - w)
+        return plan.learning_rate * (end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def with_stage(
+        self, first_example: int, first_step: int, global_batch_size: int
+    ) -> BatchSchedule:
+        """An auto ramp's decision: a new stage from the step starting at `first_example`."""
+        plan = _stage_plan(self.first, global_batch_size)
+        stage = Stage(first_example, plan, first_step, first_example, 0)
+        return dataclasses.replace(self, stages=(*self.stages, stage))
+
+    def decided_stages(self) -> list[list[int]]:
+        """The auto ramp's stages after the first: [first step, first example, global]."""
+        return [[s.first_step, s.first_example, s.plan.global_batch_size] for s in self.stages[1:]]
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "total_steps": self.total_steps,
+            "total_examples": self.total_examples,
+            "warmup_examples": self.warmup_examples,
+            "max_global_batch_size": self.max_global_batch_size,
+            "stages": [
+                {
+                    "examples": s.first_example,
+                    "asked_examples": s.asked_examples,
+                    "global_batch_size": s.plan.global_batch_size,
+                    "grad_accum_steps": s.plan.grad_accum_steps,
+                    "learning_rate": s.plan.learning_rate,
+                    "first_step": s.first_step,
+                    "steps": s.steps,
+                }
+                for s in self.stages
+            ],
+        }
+
+    def table(self) -> str:
+        """One row per stage: where it starts, its batch, K, peak rate and steps."""
+        seq = self.first.seq_len
+        header = (
+            ["stage", "examples"]
+            + (["tokens"] if seq else [])
+            + [
+                "global_batch_size",
+                "grad_accum_steps",
+                "peak learning_rate",
+                "optimizer steps",
+            ]
+        )
+        rows = []
+        for i, s in enumerate(self.stages):
+            start = f"{s.first_example:,}"
+            if s.first_example != s.asked_examples:
+                start += f" (asked {s.asked_examples:,})"
+            steps: object = s.steps if s.steps else "not reached"
+            if self.kind == AUTO and i == len(self.stages) - 1 and self.total_steps is None:
+                steps = "until the next doubling"
+            rows.append(
+                [i, start]
+                + ([f"{s.first_example * seq:,}"] if seq else [])
+                + [
+                    s.plan.global_batch_size,
+                    s.plan.grad_accum_steps,
+                    f"{s.plan.learning_rate:.6g}",
+                    steps,
+                ]
+            )
+        return format_table(header, rows)
+
+
+def _stage_plan(first: BatchPlan, global_batch_size: int) -> BatchPlan:
+    """The first stage's plan with another global batch: same micro-batch, K re-derived."""
+    return make_batch_plan(
+        mesh_shape=first.mesh_shape,
+        global_batch_size=global_batch_size,
+        per_device_batch_size=first.per_device_batch_size,
+        grad_accum_steps=None,
+        seq_len=first.seq_len,
+        learning_rate=first.base_learning_rate,
+        lr_scaling=first.lr_scaling,
+        reference_batch_size=first.reference_batch_size,
+    )
+
+
+def _walk(stages: list[Stage], steps: int | None, examples: int | None) -> list[Stage]:
+    """Lays the run over the stages: each one's first step, first example and step count,
+    until `steps` optimizer steps or `examples` examples are done."""
+    out, step, seen = [], 0, 0
+    for i, stage in enumerate(stages):
+        g = stage.plan.global_batch_size
+        n = math.inf  # steps this stage may take: to the next stage, then to the run's end
+        if i + 1 < len(stages):
+            n = max(-(-(stages[i + 1].asked_examples - seen) // g), 0)
+        if steps is not None:
+            n = min(n, steps - step)
+        if examples is not None:
+            n = min(n, max(-(-(examples - seen) // g), 0))
+        n = int(n)
+        first = seen if n else max(seen, stage.asked_examples)  # not reached: where it would
+        out.append(dataclasses.replace(stage, first_step=step, first_example=first, steps=n))
+        step, seen = step + n, seen + n * g
+    return out
+
+
+def check_length(config: ml_collections.ConfigDict) -> None:
+    """A run is as long as train.steps optimizer steps or train.examples examples: one."""
+    t = config.train
+    if (t.steps is None) == (t.get("examples") is None):
+        raise BatchPlanError(
+            "give one of train.steps (optimizer steps) and train.examples (examples to train "
+            f"on), not {'both' if t.steps is not None else 'neither'}"
+            + ("; set train.steps=null to run by examples" if t.steps is not None else "")
+        )
+
+
+def plan_from_config(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> BatchPlan:
+    """The batch plan a config asks for on a mesh of this shape: its first stage's."""
+    return schedule_from_config(config, mesh_shape).first
+
+
+def schedule_from_config(
+    config: ml_collections.ConfigDict,
+    mesh_shape: dict[str, int],
+    decided: list[list[int]] | None = None,
+) -> BatchSchedule:
+    """The run's schedule on a mesh of this shape; `decided`: an auto ramp's saved stages."""
+    b, t, o = config.batch, config.train, config.optimizer
+    check_length(config)
+    text = (b.get("schedule") or "").strip()
+    seq_len = config.data.get("seq_len")
+
+    def plan(global_batch_size: int | None, per_device: int | None, accum: int | None) -> BatchPlan:
+        return make_batch_plan(
+            mesh_shape=mesh_shape,
+            global_batch_size=global_batch_size,
+            per_device_batch_size=per_device,
+            grad_accum_steps=accum,
+            seq_len=seq_len,
+            learning_rate=o.learning_rate,
+            lr_scaling=o.lr_scaling,
+            reference_batch_size=o.reference_batch_size,
+        )
+
+    max_global = b.get("max_global_batch_size")
+    if text not in ("", AUTO) and max_global is not None:
+        raise BatchPlanError("batch.max_global_batch_size is for batch.schedule=auto only")
+    if text in ("", AUTO):
+        first = plan(b.global_batch_size, b.per_device_batch_size, b.grad_accum_steps)
+        stages = [Stage(0, first)]
+    else:
+        asked = parse_stages(text, seq_len)
+        g0 = asked[0][1]
+        if b.global_batch_size is not None and b.global_batch_size != g0:
+            raise BatchPlanError(
+                f"batch.global_batch_size={b.global_batch_size} disagrees with batch.schedule's "
+                f"first stage ({g0}): leave batch.global_batch_size null with a schedule"
+            )
+        if b.per_device_batch_size is None and b.grad_accum_steps is None:
+            raise BatchPlanError(
+                "a batch.schedule changes grad_accum_steps and keeps the per-device batch: give "
+                "batch.per_device_batch_size (or batch.grad_accum_steps of the first stage)"
+            )
+        first = plan(g0, b.per_device_batch_size, b.grad_accum_steps)
+        stages = []
+        for start, g in asked:
+            try:
+                stages.append(Stage(start, _stage_plan(first, g)))
+            except BatchPlanError as err:
+                raise BatchPlanError(f"batch.schedule stage {start}:{g}: {err}") from None
+    kind = AUTO if text == AUTO else "scheduled" if text else "fixed"
+    if kind == AUTO:
+        if max_global is None:
+            raise BatchPlanError(
+                "batch.schedule=auto doubles grad_accum_steps up to batch.max_global_batch_size: "
+                "give it"
+            )
+        g0 = first.global_batch_size
+        ratio = max_global // g0
+        if max_global < g0 or max_global % g0 or ratio & (ratio - 1):
+            doubles = [g0 * 2**i for i in range(6)]
+            raise BatchPlanError(
+                f"batch.max_global_batch_size={max_global} must be the first global batch "
+                f"{g0} doubled zero or more times: one of {', '.join(map(str, doubles))}, ..."
+            )
+        fused_groups = t.accumulation == "fused" and mesh_shape.get("data", 1) > 1
+        if first.grad_accum_steps < 2 and not fused_groups:
+            raise BatchPlanError(
+                "batch.schedule=auto reads the gradient noise scale, which needs the gradient "
+                "at two batch sizes: a micro-batch and the accumulated global batch. Start with "
+                f"grad_accum_steps >= 2 (this plan has {first.grad_accum_steps}: lower "
+                "batch.per_device_batch_size), or use train.accumulation=fused on a mesh with "
+                "mesh.data > 1 (each data group's gradient is the small batch)"
+            )
+        if t.get("examples") is None:
+            raise BatchPlanError(
+                "batch.schedule=auto decides the global batch as the run goes, so its length "
+                "in optimizer steps is not known: give train.examples (and train.steps=null)"
+            )
+        for first_step, first_example, g in decided or []:
+            stages.append(Stage(first_example, _stage_plan(first, g), first_step, first_example))
+    return _laid(config, kind, stages, max_global)
+
+
+def fixed_schedule(config: ml_collections.ConfigDict, plan: BatchPlan) -> BatchSchedule:
+    """One stage: `plan` for the whole run (what a split of a fixed batch trains)."""
+    return _laid(config, "fixed", [Stage(0, plan)], None)
+
+
+def _laid(
+    config: ml_collections.ConfigDict, kind: str, stages: list[Stage], max_global: int | None
+) -> BatchSchedule:
+    """The stages laid over the run's length, and the learning rate's curve over examples."""
+    t, o, first = config.train, config.optimizer, stages[0].plan
+    # Decided stages start where they were decided, at a step boundary: the walk finds them
+    # there again.
+    walked = _walk(stages, t.steps, t.get("examples"))
+    total_steps = t.steps if t.steps is not None else sum(s.steps for s in walked)
+    # The examples the run trains on: train.examples rounded up to a whole step, or as
+    # many as the steps take. An auto ramp's is known only as it goes: its target.
+    walked_examples = sum(s.steps * s.plan.global_batch_size for s in walked)
+    total_examples = t.examples if kind == AUTO else walked_examples
+    warmup_steps = max(int(o.warmup_steps), 0)
+    warmup = warmup_steps * first.global_batch_size
+    return BatchSchedule(
+        kind=kind,
+        stages=tuple(walked),
+        total_steps=None if kind == AUTO else total_steps,
+        # As optax's warmup_cosine_decay_schedule over steps: the decay ends at least one
+        # (first-stage) step past the warmup.
+        total_examples=max(total_examples, warmup + first.global_batch_size),
+        warmup_examples=warmup,
+        initial_lr_fraction=1 / max(warmup_steps, 1),
+        final_lr_fraction=o.final_lr_fraction,
+        max_global_batch_size=max_global if kind == AUTO else None,
+        patience=int(config.batch.get("auto_patience", 0) or 0),
+    )
+
+
+def auto_decision(
+    windows_above: int,
+    noise_scale: float | None,
+    global_batch_size: int,
+    patience: int,
+    max_global_batch_size: int,
+) -> tuple[int, bool]:
+    """The auto ramp's rule at the end of a log window: (windows in a row with the smoothed
+    B_simple above the global batch, whether to double K now). Never shrinks."""
+    above = noise_scale is not None and noise_scale > global_batch_size
+    windows_above = windows_above + 1 if above else 0
+    if windows_above >= patience and 2 * global_batch_size <= max_global_batch_size:
+        return 0, True
+    return windows_above, False
+
+
+@dataclasses.dataclass
+class AutoRamp:
+    """The auto ramp's memory between decisions: what a checkpoint keeps so that a resumed
+    run decides as the uninterrupted one would (the noise scale's averages are kept too)."""
+
+    windows_above: int = 0
+    last_noise_scale: float | None = None  # what the last decision read
+
+    def decide(
+        self, schedule: BatchSchedule, noise_scale: float | None, done: int, examples: int
+    ) -> BatchSchedule:
+        """At the end of log window `done`: `schedule`, with a doubled stage from here on
+        when the rule says so."""
+        assert schedule.max_global_batch_size is not None
+        g = schedule.plan_at(examples).global_batch_size
+        self.last_noise_scale = noise_scale
+        self.windows_above, double = auto_decision(
+            self.windows_above, noise_scale, g, schedule.patience, schedule.max_global_batch_size
+        )
+        return schedule.with_stage(examples, done, 2 * g) if double else schedule
+
+    def state(self, schedule: BatchSchedule) -> dict:
+        return {"decided": schedule.decided_stages(), "windows_above": self.windows_above}
+
+    @classmethod
+    def load(cls, saved: dict | None) -> AutoRamp:
+        return cls(windows_above=int((saved or {}).get("windows_above", 0)))
+
+
+def run_steps(schedule: BatchSchedule, step: int, examples: int, target: int | None) -> int:
+    """The run's length in optimizer steps, seen from `step` at `examples`: fixed by the
+    schedule, or for an auto ramp, the steps that reach `target` examples at today's batch."""
+    if schedule.total_steps is not None:
+        return schedule.total_steps
+    assert target is not None
+    g = schedule.plan_at(examples).global_batch_size
+    return step + max(-(-(target - examples) // g), 0)

@@ -1,0 +1,222 @@
+"""Does a growing batch pay? Fixed small, fixed large, a scheduled ramp and the auto ramp,
+each on the same number of examples.
+
+The small batch is the config's global batch G; the large one 4G; the scheduled ramp runs
+G for the first quarter of the examples, 2G for the second and 4G for the rest; the auto
+ramp starts at G and doubles K (up to 4G) when the smoothed noise scale B_simple stays
+above the batch for batch.auto_patience log windows. Every run keeps the per-device batch
+(only K changes), so they share one micro-batch and one compiled step shape; each stage's
+peak learning rate follows --lr-scaling (default: the config's rule) from the config's rate
+at G. Reported: loss against examples and against optimizer steps, the optimizer steps each
+run took to reach the small-batch run's final loss, and wall time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from jaxkit.batch_plan import LR_SCALINGS, BatchPlanError
+from jaxkit.batch_schedule import plan_from_config, schedule_from_config
+from jaxkit.experiments import (
+    ExperimentError,
+    Interrupted,
+    Options,
+    Report,
+    drive,
+    live_mesh,
+    new_figure,
+)
+from jaxkit.loop import train
+
+DEFAULT_STEPS = 200  # optimizer steps of the small-batch run: the examples every run sees
+LARGEST = 4  # the large batch, and the ramps' top, as a multiple of the small one
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    name: str
+    config: ml_collections.ConfigDict
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _arms(
+    config: ml_collections.ConfigDict, shape: dict[str, int], rule: str, budget: int
+) -> tuple[list[Arm], list[str], int]:
+    """The four runs, the ones left out and why, and the small global batch."""
+    base = plan_from_config(config, shape)
+    g, b = base.global_batch_size, base.per_device_batch_size
+    notes: list[str] = []
+    if base.grad_accum_steps < 2 and b % 2 == 0:
+        # The auto ramp reads the noise scale from a micro-batch against the global batch.
+        b //= 2
+        notes.append(
+            f"per-device batch {base.per_device_batch_size} -> {b} for every run, so that "
+            "the small batch accumulates 2 micro-batches and the auto ramp can read the noise "
+            "scale (it needs the gradient at two batch sizes)"
+        )
+
+    def variant(**batch: Any) -> ml_collections.ConfigDict:
+        c = ml_collections.ConfigDict(config.to_dict())
+        c.batch.global_batch_size, c.batch.per_device_batch_size = g, b
+        c.batch.grad_accum_steps, c.batch.schedule = None, ""
+        c.batch.max_global_batch_size = None
+        for key, value in batch.items():
+            c.batch[key] = value
+        c.optimizer.lr_scaling, c.optimizer.reference_batch_size = rule, g
+        c.optimizer.learning_rate = base.learning_rate  # the config's peak at its own batch
+        c.train.steps, c.train.examples = None, budget
+        c.train.log_every, c.train.eval_every, c.train.eval_examples = 1, 0, 32
+        c.train.profile_steps = ""
+        return c
+
+    quarter = budget // 4
+    candidates = [
+        Arm(f"fixed {g}", variant()),
+        Arm(f"fixed {LARGEST * g}", variant(global_batch_size=LARGEST * g)),
+        Arm(
+            f"ramp {g}→{2 * g}→{4 * g}",
+            variant(
+                global_batch_size=None,
+                schedule=f"0:{g},{quarter}:{2 * g},{2 * quarter}:{4 * g}",
+            ),
+        ),
+        Arm(
+            f"auto {g}→≤{LARGEST * g}",
+            variant(schedule="auto", max_global_batch_size=LARGEST * g),
+        ),
+    ]
+    arms = []
+    for arm in candidates:
+        try:
+            schedule_from_config(arm.config, shape)  # every stage divides, auto can read
+        except BatchPlanError as err:
+            notes.append(f"left out {arm.name}: {err}")
+            continue
+        arms.append(arm)
+    return arms, notes, g
+
+
+def _reached(steps: np.ndarray, loss: np.ndarray, target: float, window: int) -> int | None:
+    """The first optimizer step at which the mean of the last `window` losses is ≤ target."""
+    for i in range(len(loss)):
+        if np.mean(loss[max(0, i - window + 1) : i + 1]) <= target:
+            return int(steps[i])
+    return None
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    out: pathlib.Path,
+    options: Options,
+    echo: Callable[[str], None],
+) -> pathlib.Path:
+    devices, shape = live_mesh(config, options.devices)
+    rule = options.lr_scaling or config.optimizer.lr_scaling
+    if rule not in LR_SCALINGS:
+        raise ExperimentError(f"--lr-scaling={rule!r} is not one of {', '.join(LR_SCALINGS)}")
+    base = plan_from_config(config, shape)
+    # The examples every run sees: --steps of the small batch, rounded up to whole steps of
+    # every stage (a multiple of 8 small steps), so no run stops part-way into a batch.
+    unit = 2 * LARGEST * base.global_batch_size
+    steps = options.steps or DEFAULT_STEPS
+    budget = -(-steps * base.global_batch_size // unit) * unit
+    arms, notes, small = _arms(config, shape, rule, budget)
+    if not arms:
+        raise ExperimentError("no run fits the mesh:\n" + "\n".join(notes))
+    runs: dict[str, dict[str, Any]] = {}
+
+    def do_unit(arm: Arm) -> None:
+        result = train(arm.config, None, devices=devices, progress=False, echo=lambda *a: None)
+        if result.stopped:
+            raise Interrupted
+        records = [r for r in result.records if "loss" in r]
+        runs[arm.name] = {
+            "steps": np.array([r["step"] for r in records]),
+            "examples": np.array([r["examples_seen"] for r in records]),
+            "loss": np.array([r["loss"] for r in records]),
+            "batch": np.array([r["global_batch_size"] for r in records]),
+            "noise_scale": records[-1].get("noise_scale"),
+            "wall_s": result.summary["wall_time_s"],
+        }
+
+    def render(report: Report) -> None:
+        report.text(
+            f"Config `{config.get('name')}` on {len(devices)} {devices[0].platform} devices. "
+            f"Every run trains on {budget:,} examples (= {budget // base.global_batch_size} "
+            f"steps × the config's global batch {base.global_batch_size}, --steps {steps} "
+            "rounded up to a multiple of 8); the per-device batch is the same for all, only "
+            f"K changes. Peak learning rate {base.learning_rate:g} at batch {small}, scaled "
+            f"per stage by the `{rule}` rule; warmup and decay are laid over examples."
+        )
+        for note in notes:
+            report.text(note)
+        if not runs:
+            return
+        first = next(iter(runs.values()))
+        # The small-batch run's final loss: the mean of its last 10% of steps; a run reaches
+        # it when the mean of its last as many steps does (the small run at the latest at
+        # its end).
+        window = max(1, len(first["loss"]) // 10)
+        target = float(np.mean(first["loss"][-window:]))
+        rows = []
+        for name, r in runs.items():
+            reached = _reached(r["steps"], r["loss"], target, window)
+            r_tail = r["loss"][-max(1, len(r["loss"]) // 10) :]
+            batches = "→".join(str(int(g)) for g in dict.fromkeys(r["batch"].tolist()))
+            rows.append(
+                (
+                    name,
+                    batches,
+                    int(r["steps"][-1]),
+                    f"{int(r['examples'][-1]):,}",
+                    f"{float(np.mean(r_tail)):.4f}",
+                    "not reached" if reached is None else reached,
+                    "—" if r["noise_scale"] is None else f"{r['noise_scale']:,.0f}",
+                    f"{r['wall_s']:.1f}",
+                )
+            )
+        report.table(
+            (
+                "run",
+                "global batch",
+                "optimizer steps",
+                "examples",
+                "final loss (mean of last 10% of steps)",
+                f"steps to reach {target:.4f} (the {next(iter(runs))} run's final loss)",
+                "B_simple at the end (rows)",
+                "wall time (s)",
+            ),
+            rows,
+        )
+        report.text(
+            f"'Steps to reach' is the first step at which the mean of the last {window} "
+            "losses is at or below the target. On a model this small the critical batch is "
+            "small too, so the larger batches may need as many examples or more to reach a "
+            "loss: the table says what happened, win or lose."
+        )
+        for x, label, name in (
+            ("examples", "examples seen", "loss_vs_examples.png"),
+            ("steps", "optimizer steps", "loss_vs_steps.png"),
+        ):
+            fig, ax = new_figure()
+            for run_name, r in runs.items():
+                ax.plot(r[x], r["loss"], label=run_name)
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+            ax.set_xlabel(label)
+            ax.set_ylabel("training loss")
+            if x == "steps":
+                ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            report.figure(fig, name, f"Loss against {label}")
+
+    report = Report(out, "Batch ramp: fixed, scheduled and automatic global batch")
+    return drive(report, arms, do_unit, render, "runs")

@@ -1,0 +1,93 @@
+"""The optimizer: optax.MultiSteps around (gradient norm, clip, adamw | sgd).
+
+K (micro-steps per optimizer step) and the learning rate are not baked into the optimizer:
+they arrive with each call as a `Hyper`, so a batch schedule that changes K between optimizer
+steps runs one compiled step, and the rate follows a curve laid over examples on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from jaxkit.batch_plan import BatchPlan
+from jaxkit.batch_schedule import BatchSchedule
+from jaxkit.config import ConfigError
+
+
+class Hyper(NamedTuple):
+    """What may change between optimizer steps without a recompile: traced, not static."""
+
+    grad_accum_steps: Any  # int32 scalar: K of the current stage of the batch schedule
+    learning_rate: Any  # float32 scalar: the rate of the optimizer step being accumulated
+
+
+def hyper_for(schedule: BatchSchedule, plan: BatchPlan, examples: int) -> Hyper:
+    """The Hyper of the optimizer step that starts reading at stream example `examples`."""
+    return Hyper(
+        np.int32(plan.grad_accum_steps), np.float32(schedule.learning_rate(examples, plan))
+    )
+
+
+def _is_matrix(params: Any) -> Any:
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(config: ml_collections.ConfigDict, hyper: Hyper) -> optax.MultiSteps:
+    """MultiSteps(K) around (record norm, clip, adamw | sgd), K and the rate from `hyper`.
+
+    Built inside the traced step, so K and the rate are arguments of one compiled program
+    (the batch schedule changes them without a recompile). The rate is a schedule that
+    ignores its count: the host lays the schedule over examples (batch_schedule), and the
+    state keeps the layout of a scheduled optimizer. The inner chain always has these three
+    parts (clip may be the identity), so its state is laid out the same whatever the config:
+    (GradNormState, clip state, optimizer state).
+    """
+    o = config.optimizer
+
+    def rate(count: Any) -> Any:
+        del count
+        return hyper.learning_rate
+
+    if o.name == "adamw":
+        inner = optax.adamw(rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=_is_matrix)
+    elif o.name == "sgd":
+        decay = optax.add_decayed_weights(o.weight_decay, mask=_is_matrix)
+        inner = optax.chain(decay, optax.sgd(rate, momentum=o.momentum or None))
+    else:
+        raise ConfigError(f"optimizer.name={o.name!r} is not one of adamw, sgd")
+    clip = optax.clip_by_global_norm(o.grad_clip_norm) if o.grad_clip_norm > 0 else optax.identity()
+    inner = optax.chain(record_grad_norm(), clip, inner)
+    return optax.MultiSteps(inner, every_k_schedule=lambda _: hyper.grad_accum_steps)
+
+
+class GradNormState(NamedTuple):
+    grad_norm: jax.Array  # float32: global norm of the gradient the optimizer last applied
+
+
+def record_grad_norm() -> optax.GradientTransformation:
+    """Passes updates through and keeps their global norm in its state.
+
+    Inside MultiSteps it sees the accumulated mean gradient, and its state is kept only on
+    the K-th micro-step: so it holds the norm of each optimizer step's gradient.
+    """
+
+    def init(params: Any) -> GradNormState:
+        del params
+        return GradNormState(jnp.zeros((), jnp.float32))
+
+    def update(updates: Any, state: GradNormState, params: Any = None) -> tuple:
+        del state, params
+        return updates, GradNormState(optax.tree.norm(updates))
+
+    return optax.GradientTransformation(init, update)
+
+
+def applied_grad_norm(opt_state: optax.MultiStepsState) -> jax.Array:
+    """The norm of the gradient of the last optimizer step (before clipping)."""
+    return opt_state.inner_opt_state[0].grad_norm

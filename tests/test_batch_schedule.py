@@ -1,0 +1,344 @@
+"""A global batch that grows: the stages, their learning rates, one compile, the same
+trajectory on any device count, resume across a stage boundary, and the auto ramp."""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from test_equivalence import LOSS_RTOL, PARAM_ATOL
+
+from jaxkit import costs
+from jaxkit.batch_plan import BatchPlanError
+from jaxkit.batch_schedule import auto_decision, parse_stages, schedule_from_config
+from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.loop import train
+
+SHAPE_8 = {"data": 8, "fsdp": 1, "tensor": 1}
+# mlp_digits on 8 devices × 4 rows: micro-batch 32, so K = 1, 2, 4 over the stages.
+RAMP = "0:32,256:64,640:128"
+
+
+def digits(*overrides):
+    config = load_config("mlp_digits")
+    apply_overrides(config, list(overrides))
+    return config
+
+
+def ramped(*overrides):
+    return digits(
+        "batch.global_batch_size=null",
+        f"batch.schedule={RAMP}",
+        "train.steps=16",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_examples=64",
+        "optimizer.warmup_steps=2",
+        *overrides,
+    )
+
+
+def quiet(config, **kwargs):
+    return train(config, progress=False, echo=lambda *a: None, **kwargs)
+
+
+def train_records(result):
+    return [r for r in result.records if "loss" in r]
+
+
+def test_stages_parse_examples_scales_and_tokens():
+    assert parse_stages("0:64, 200000:128,600k:256", None) == [
+        (0, 64),
+        (200000, 128),
+        (600000, 256),
+    ]
+    assert parse_stages("0:64,1.5M:128", None) == [(0, 64), (1_500_000, 128)]
+    # 25M tokens of 128-token rows: the first example that starts at or past token 25M.
+    assert parse_stages("0:64,25Mt:128", 128) == [(0, 64), (math.ceil(25e6 / 128), 128)]
+    for bad, why in [
+        ("64:32,128:64", "must start at example 0"),
+        ("0:32,100:64,100:128", "increasing order"),
+        ("0:32,1000t:64", "no data.seq_len"),
+        ("0:32,x:64", "is not EXAMPLES:GLOBAL_BATCH"),
+        ("0:32,100:0", "must be > 0"),
+        ("0:32,1.5:64", "not a whole count"),
+    ]:
+        with pytest.raises(BatchPlanError, match=why):
+            parse_stages(bad, None)
+
+
+def test_each_stage_keeps_the_micro_batch_and_a_stage_that_does_not_divide_names_valid_ones():
+    schedule = schedule_from_config(ramped(), SHAPE_8)
+    plans = [s.plan for s in schedule.stages]
+    assert [p.global_batch_size for p in plans] == [32, 64, 128]
+    assert [p.grad_accum_steps for p in plans] == [1, 2, 4]
+    assert {(p.per_device_batch_size, p.micro_batch_size) for p in plans} == {(4, 32)}
+    with pytest.raises(BatchPlanError, match=r"stage 256:80: .*Valid global_batch_size near 80"):
+        schedule_from_config(ramped("batch.schedule=0:32,256:80"), SHAPE_8)
+    with pytest.raises(BatchPlanError, match=r"disagrees with batch\.schedule's first stage"):
+        schedule_from_config(ramped("batch.global_batch_size=64"), SHAPE_8)
+
+
+def walk_by_hand(stages, steps=None, examples=None):
+    """Optimizer steps per stage, one step at a time: a step belongs to the stage in force
+    at the example it starts from."""
+    counts, step, seen = [0] * len(stages), 0, 0
+    while (steps is not None and step < steps) or (examples is not None and seen < examples):
+        i = max(j for j, (start, _) in enumerate(stages) if start <= seen)
+        counts[i] += 1
+        seen += stages[i][1]
+        step += 1
+    return counts, seen
+
+
+@pytest.mark.parametrize(
+    ("text", "length"),
+    [
+        ("0:32,256:64,640:128", "train.steps=16"),
+        ("0:32,250:64,650:128", "train.steps=16"),  # boundaries inside a step: next step
+        ("0:32,250:64,650:128", "train.steps=5"),  # later stages not reached
+        ("0:32,250:64,650:128", "train.examples=1000"),
+        ("0:32,250:64,650:128", "train.examples=1001"),  # the last step passes the target
+    ],
+)
+def test_the_plan_table_counts_the_steps_a_run_makes_in_each_stage(text, length):
+    config = ramped(f"batch.schedule={text}", "train.steps=null", length)
+    schedule = schedule_from_config(config, SHAPE_8)
+    steps = config.train.steps
+    counts, seen = walk_by_hand(parse_stages(text, None), steps, config.train.examples)
+    assert [s.steps for s in schedule.stages] == counts
+    assert schedule.total_steps == sum(counts)
+    assert schedule.total_examples == seen
+    table = schedule.table()
+    if "250" in text and counts[1]:
+        assert "(asked 250)" in table  # the stage starts at the first step boundary past it
+    if counts[-1] == 0:
+        assert "not reached" in table
+
+
+def test_one_of_train_steps_and_train_examples():
+    with pytest.raises(ConfigError, match=r"not both; set train\.steps=null"):
+        validate(digits("train.examples=1000"))
+    with pytest.raises(ConfigError, match="not neither"):
+        validate(digits("train.steps=null"))
+
+
+def test_a_fixed_batch_keeps_the_learning_rate_of_a_schedule_laid_over_steps():
+    config = digits("optimizer.warmup_steps=10", "train.steps=200")
+    schedule = schedule_from_config(config, SHAPE_8)
+    plan = schedule.first
+    by_step = optax.warmup_cosine_decay_schedule(
+        init_value=plan.learning_rate / 10,
+        peak_value=plan.learning_rate,
+        warmup_steps=10,
+        decay_steps=200,
+        end_value=plan.learning_rate * config.optimizer.final_lr_fraction,
+    )
+    for step in [0, 1, 5, 9, 10, 11, 100, 199, 250]:
+        ours = schedule.learning_rate(step * plan.global_batch_size, plan)
+        # optax computes in float32: agreement to float32 round-off of the rate.
+        np.testing.assert_allclose(ours, float(by_step(step)), rtol=1e-6)
+
+
+def test_a_ramp_scales_each_stage_peak_and_lays_warmup_and_decay_over_examples():
+    config = ramped(
+        "optimizer.lr_scaling=sqrt",
+        "optimizer.reference_batch_size=32",
+        "optimizer.warmup_steps=4",
+        "train.steps=null",
+        "train.examples=3200",
+    )
+    schedule = schedule_from_config(config, SHAPE_8)
+    base = config.optimizer.learning_rate
+    assert [s.plan.learning_rate for s in schedule.stages] == pytest.approx(
+        [base, base * math.sqrt(2), base * 2]
+    )
+    end = config.optimizer.final_lr_fraction
+    warmup, total = 4 * 32, schedule.total_examples  # warmup: 4 steps of the first stage
+    for e in [0, 64, 127, 128, 640, 1600, total - 128, total]:
+        plan = schedule.plan_at(e)
+        if e < warmup:
+            shape = 1 / 4 + (1 - 1 / 4) * e / warmup
+        else:
+            shape = end + (1 - end) * 0.5 * (
+                1 + math.cos(math.pi * (e - warmup) / (total - warmup))
+            )
+        assert schedule.learning_rate(e, plan) == pytest.approx(plan.learning_rate * shape)
+
+
+def test_a_ramped_run_compiles_its_step_once_and_logs_each_steps_batch(monkeypatch):
+    compiles = []
+    original = costs.compile_setup_step
+
+    def counting(*args, **kwargs):
+        compiles.append(args[1].grad_accum_steps)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(costs, "compile_setup_step", counting)
+    result = quiet(ramped())
+    assert len(compiles) == 1  # K is an argument of the one MultiSteps program
+    records = train_records(result)
+    assert [r["global_batch_size"] for r in records] == [32] * 8 + [64] * 6 + [128] * 2
+    assert [r["grad_accum_steps"] for r in records] == [1] * 8 + [2] * 6 + [4] * 2
+    assert records[-1]["examples_seen"] == 8 * 32 + 6 * 64 + 2 * 128
+    assert records[-1]["micro_step"] == 8 * 1 + 6 * 2 + 2 * 4
+    assert result.summary["batch_schedule"]["stages"][2]["steps"] == 2
+
+    compiles.clear()  # fused: K is the batch's leading dimension, one program per K
+    quiet(ramped("train.accumulation=fused"))
+    assert compiles == [1, 2, 4]
+
+
+def final_params(result):
+    return jax.tree.leaves(jax.device_get(result.state.params))
+
+
+def assert_same_trajectory(a, b):
+    """Equal global batches, other splits: round-off apart (see test_equivalence)."""
+    ra, rb = train_records(a), train_records(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    assert [r["global_batch_size"] for r in ra] == [r["global_batch_size"] for r in rb]
+    np.testing.assert_allclose([r["loss"] for r in ra], [r["loss"] for r in rb], rtol=LOSS_RTOL)
+    for x, y in zip(final_params(a), final_params(b), strict=True):
+        np.testing.assert_allclose(x, y, atol=PARAM_ATOL)
+
+
+def test_a_ramped_run_follows_one_trajectory_on_8_and_4_devices_and_fused():
+    eight = quiet(ramped())
+    four = quiet(ramped(), devices=jax.devices()[:4])  # micro-batch 16: K = 2, 4, 8
+    assert [r["grad_accum_steps"] for r in train_records(four)] == [2] * 8 + [4] * 6 + [8] * 2
+    assert_same_trajectory(eight, four)
+    assert_same_trajectory(eight, quiet(ramped("train.accumulation=fused")))
+
+
+def test_a_ramped_run_resumes_across_stage_boundaries_on_other_device_counts(tmp_path):
+    reference = quiet(ramped(), workdir=tmp_path / "ref")
+    work = tmp_path / "moved"
+    # Stage 1 (K = 2 on 8 devices) starts at micro-step 8: stop in the middle of step 10.
+    first = quiet(ramped(), workdir=work, stop_after_micro_steps=8 + 2 * 2 + 1)
+    assert first.stopped
+    # On 4 devices the half step cannot go on (K = 4 there): it is redone (12 micro-steps
+    # done). Steps 11-14 take 16 more; stop 3 micro-steps into step 15, in stage 2 (K = 8).
+    second = quiet(ramped(), workdir=work, devices=jax.devices()[:4], stop_after_micro_steps=31)
+    assert second.stopped
+    last = quiet(ramped(), workdir=work)
+    assert not last.stopped
+    lines = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines if "loss" in r]
+    assert steps == list(range(1, 17))  # every step once, in order
+    changes = [r for r in lines if r.get("event") == "batch_change"]
+    assert [(c["step"], c["global_batch_size"]) for c in changes] == [(8, 64), (14, 128)]
+    for x, y in zip(final_params(reference), final_params(last), strict=True):
+        np.testing.assert_allclose(x, y, atol=PARAM_ATOL)
+
+
+def test_the_auto_rule_doubles_after_patience_windows_above_the_batch_and_never_shrinks():
+    windows, g, sizes = 0, 32, []
+    # B_simple estimates at the ends of successive log windows (None: not yet measured).
+    for noise in [None, 50, 20, 40, 41, 45, 60, 70, 100, 130, 140, 150, 10, 10, 300, 300, 300]:
+        windows, double = auto_decision(windows, noise, g, patience=3, max_global_batch_size=128)
+        if double:
+            g *= 2
+        sizes.append(g)
+    assert sizes == [32] * 5 + [64] * 4 + [128] * 8
+    assert auto_decision(2, 999.0, 128, patience=3, max_global_batch_size=128) == (3, False)
+
+
+def auto(*overrides):
+    # 8 devices × 2 rows: micro-batch 16, K = 2, so the noise scale has two batch sizes.
+    return digits(
+        "batch.global_batch_size=32",
+        "batch.per_device_batch_size=2",
+        "batch.schedule=auto",
+        "batch.max_global_batch_size=128",
+        "batch.auto_patience=2",
+        "train.steps=null",
+        "train.examples=2560",
+        "train.log_every=2",
+        "train.eval_every=0",
+        "train.eval_examples=64",
+        *overrides,
+    )
+
+
+def test_auto_ramp_decisions_are_the_rule_applied_to_the_logged_noise_scale(tmp_path):
+    result = quiet(auto(), workdir=tmp_path)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    changes = [r for r in lines if r.get("event") == "batch_change"]
+    assert changes, "mlp_digits' B_simple (~60-150 rows) should exceed a batch of 32"
+    records = [r for r in lines if "loss" in r]
+    total = records[-1]["step"]
+    windows, g, expected = 0, 32, []
+    for r in records:
+        assert r["global_batch_size"] == g
+        if r["step"] % 2 == 0 and r["step"] < total:
+            windows, double = auto_decision(windows, r.get("noise_scale"), g, 2, 128)
+            if double:
+                g *= 2
+                expected.append((r["step"], g))
+    assert [(c["step"], c["global_batch_size"]) for c in changes] == expected
+    assert records[-1]["examples_seen"] >= 2560 > records[-1]["examples_seen"] - g
+    assert result.summary["examples_seen"] == records[-1]["examples_seen"]
+
+
+def test_a_resumed_auto_run_makes_the_same_decisions(tmp_path):
+    whole = quiet(auto(), workdir=tmp_path / "whole")
+    work = tmp_path / "stopped"
+    # Mid-step stops in steps 3, 7 and 11: the first two resume from checkpoints taken one
+    # window above the batch into the patience of 2 (mlp_digits' B_simple is ~90 early, above
+    # 32 and 64), so a resume that forgot that window would double a window late.
+    for stop_at in (5, 18, 41):
+        assert quiet(auto(), workdir=work, stop_after_micro_steps=stop_at).stopped
+    last = quiet(auto(), workdir=work)
+
+    def history(path):
+        lines = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+        changes = [(r["step"], r["global_batch_size"]) for r in lines if "event" in r]
+        return changes, [(r["step"], r["global_batch_size"]) for r in lines if "loss" in r]
+
+    assert history(work) == history(tmp_path / "whole")
+    # The same device count and split: the resumed run repeats the same arithmetic.
+    for x, y in zip(final_params(whole), final_params(last), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_auto_needs_two_batch_sizes_a_maximum_it_can_reach_and_a_length_in_examples():
+    with pytest.raises(BatchPlanError, match="grad_accum_steps >= 2"):
+        schedule_from_config(auto("batch.per_device_batch_size=4"), SHAPE_8)
+    # Fused on several data groups: each group's gradient is the small batch.
+    fused = auto("batch.per_device_batch_size=4", "train.accumulation=fused")
+    assert schedule_from_config(fused, SHAPE_8).first.grad_accum_steps == 1
+    with pytest.raises(BatchPlanError, match="one of 32, 64, 128"):
+        schedule_from_config(auto("batch.max_global_batch_size=100"), SHAPE_8)
+    with pytest.raises(BatchPlanError, match=r"give train\.examples"):
+        schedule_from_config(auto("train.examples=null", "train.steps=10"), SHAPE_8)
+    with pytest.raises(BatchPlanError, match="give it"):
+        schedule_from_config(auto("batch.max_global_batch_size=null"), SHAPE_8)
+
+
+def test_plan_prints_the_stage_table_and_json():
+    args = ["mlp_digits", "batch.global_batch_size=null", f"batch.schedule={RAMP}"]
+    base = [sys.executable, "-m", "jaxkit", "plan", "--host-devices", "8"]
+    table = subprocess.run(
+        [*base, *args, "train.steps=10"], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert "batch schedule (scheduled" in table.stdout
+    row = next(line for line in table.stdout.splitlines() if line.startswith("2 "))
+    assert [c.strip() for c in row.split("|")] == ["2", "640", "128", "4", "0.003", "not reached"]
+    out = subprocess.run(
+        [*base, "--json", *args, "train.steps=30"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    stages = json.loads(out.stdout)["batch_schedule"]["stages"]
+    assert [(s["examples"], s["grad_accum_steps"], s["steps"]) for s in stages] == [
+        (0, 1, 8),
+        (256, 2, 6),
+        (640, 4, 16),
+    ]
