@@ -265,8 +265,11 @@ def schedule_from_config(
         )
 
     max_global = b.get("max_global_batch_size")
-    if text not in ("", AUTO) and max_global is not None:
-        raise BatchPlanError("batch.max_global_batch_size is for batch.schedule=auto only")
+    if text != AUTO and max_global is not None:
+        raise BatchPlanError(
+            f"batch.max_global_batch_size={max_global} is read by batch.schedule=auto only "
+            f"(batch.schedule={text!r}): set batch.schedule=auto, or leave it null"
+        )
     if text in ("", AUTO):
         first = plan(b.global_batch_size, b.per_device_batch_size, b.grad_accum_steps)
         stages = [Stage(0, first)]

@@ -59,7 +59,8 @@ RESUMABLE_KEYS = (
     "train.eval_",  # eval_every, eval_examples (and the eval_batches of older runs)
     "train.profile_steps",
     "train.max_nonfinite_in_row",
-    "train.noise_scale_decay",  # smooths a logged estimate; training does not read it
+    # Smooths a logged estimate; only the auto ramp reads it (from the resume on).
+    "train.noise_scale_decay",
     "train.accumulation",  # both modes keep MultiSteps' state layout
     "checkpoint.",
 )

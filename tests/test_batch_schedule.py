@@ -316,6 +316,8 @@ def test_auto_needs_two_batch_sizes_a_maximum_it_can_reach_and_a_length_in_examp
         schedule_from_config(auto("batch.max_global_batch_size=100"), SHAPE_8)
     with pytest.raises(BatchPlanError, match=r"give train\.examples"):
         schedule_from_config(auto("train.examples=null", "train.steps=10"), SHAPE_8)
+    with pytest.raises(BatchPlanError, match=r"read by batch\.schedule=auto only"):
+        schedule_from_config(auto("batch.schedule="), SHAPE_8)
     with pytest.raises(BatchPlanError, match="give it"):
         schedule_from_config(auto("batch.max_global_batch_size=null"), SHAPE_8)
 

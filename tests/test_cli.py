@@ -221,7 +221,11 @@ def test_lr_scaling_none_is_the_documented_string():
         ("plan", "train.eval_batches=1", "train.eval_batches was replaced by train.eval_examples"),
         ("plan", "train.noise_scale_decay=1", "train.noise_scale_decay=1.0: must be in [0, 1)"),
         ("train", "train.log_every=0", "train.log_every=0: must be an integer ≥ 1"),
-        ("train", "train.steps=-5", "train.steps=-5: must be null or an integer in [1, 2147483648)"),
+        (
+            "train",
+            "train.steps=-5",
+            "train.steps=-5: must be null or an integer in [1, 2147483648)",
+        ),
         ("train", "optimizer.learning_rate=nan", "optimizer.learning_rate=nan: must be a finite"),
         ("train", "checkpoint.keep=0", "checkpoint.keep=0: must be an integer ≥ 1"),
         ("experiment", "optimizer.learning_rate=nan", "optimizer.learning_rate=nan"),

@@ -54,7 +54,11 @@ BAD = [
     ("mlp_digits", "batch.grad_accum_steps=-1", "batch.grad_accum_steps=-1"),
     ("mlp_digits", "train.log_every=0", "train.log_every=0: must be an integer ≥ 1"),
     ("mlp_digits", "train.steps=0", "train.steps=0: must be null or an integer in [1, 2147483648)"),
-    ("mlp_digits", "train.steps=-5", "train.steps=-5: must be null or an integer in [1, 2147483648)"),
+    (
+        "mlp_digits",
+        "train.steps=-5",
+        "train.steps=-5: must be null or an integer in [1, 2147483648)",
+    ),
     ("mlp_digits", "train.seed=-1", "train.seed=-1: must be an integer in [0, 4294967296)"),
     ("mlp_digits", "train.seed=4294967296", "train.seed=4294967296"),
     ("mlp_digits", "train.eval_every=-1", "train.eval_every=-1: must be an integer ≥ 0"),
@@ -107,7 +111,9 @@ BAD = [
     ("lm_tiny", "data.eval_fraction=1.5", "data.eval_fraction=1.5: must be in (0, 1)"),
     # Optimizer step counts are int32: past 2**31 they overflow while compiling.
     ("mlp_digits", "optimizer.warmup_steps=3000000000", "optimizer.warmup_steps=3000000000"),
-    ("mlp_digits", "train.steps=2147483648", "train.steps=2147483648: must be an integer in"),
+    ("mlp_digits", "train.steps=2147483648", "train.steps=2147483648: must be null or an"),
+    ("mlp_digits", "train.examples=0", "train.examples=0: must be null or an integer ≥ 1"),
+    ("mlp_digits", "batch.auto_patience=0", "batch.auto_patience=0: must be an integer ≥ 1"),
     ("lm_tiny", "data.path=", "data.path='': must be null (the default corpus) or the path"),
     ("lm_tiny", "data.path=/nonexistent/corpus.txt", "data.path='/nonexistent/corpus.txt': is"),
     ("lm_tiny", "data.path=/", "data.path='/': is not a file"),
