@@ -18,6 +18,7 @@ steps (steps change size). For a fixed batch that is the same curve as one laid 
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import math
 import re
 
@@ -42,7 +43,7 @@ def parse_stages(text: str, seq_len: int | None) -> list[tuple[int, int]]:
                 "25Mt:128); or write batch.schedule=auto"
             )
         number, scale, tokens, batch = found.groups()
-        count = float(number) * _SCALE[scale]
+        count = decimal.Decimal(number) * _SCALE[scale]  # exact: 1.001k is 1001
         if count != int(count):
             raise BatchPlanError(f"batch.schedule stage {item.strip()!r}: not a whole count")
         start = int(count)
@@ -77,23 +78,45 @@ class Stage:
     first_example: int = 0  # where its first optimizer step starts reading
     steps: int = 0  # optimizer steps in it; 0: not reached within the run's length
 
+    def to_json(self) -> dict:
+        return {
+            "examples": self.first_example,
+            "asked_examples": self.asked_examples,
+            "global_batch_size": self.plan.global_batch_size,
+            "grad_accum_steps": self.plan.grad_accum_steps,
+            "learning_rate": self.plan.learning_rate,
+            "first_step": self.first_step,
+            "steps": self.steps,
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchSchedule:
-    """The plan of every optimizer step, and its learning rate, as functions of examples."""
+    """The plan of every optimizer step, and its learning rate, as functions of examples.
+
+    A resumed run lays the config's stages from where it resumes (the origin): what ran
+    before is `history`, as its checkpoints recorded it, so a schedule changed at a resume
+    changes only what is still to come, and the run's length and learning-rate curve count
+    the examples actually trained.
+    """
 
     kind: str  # fixed | scheduled | auto
-    stages: tuple[Stage, ...]
-    total_steps: int | None  # None: auto by examples, decided as the run goes
+    stages: tuple[Stage, ...]  # from the origin on; stages[0] is in force there
+    history: tuple[dict, ...]  # stages run before the origin (Stage.to_json, as saved)
+    decided: tuple[tuple[int, int, int], ...]  # auto: (first step, first example, global)
+    length: tuple[int | None, int | None]  # (train.steps, train.examples): one is None
+    total_steps: int  # auto: if the batch does not double again
     total_examples: int  # where the learning rate's decay ends
     warmup_examples: int
     initial_lr_fraction: float  # the first step's rate, as a fraction of the peak
     final_lr_fraction: float
     max_global_batch_size: int | None = None  # auto
     patience: int = 0  # auto: log windows in a row with B_simple above the batch
+    origin: tuple[int, int] = (0, 0)  # (optimizer steps, examples) where it was laid
 
     @property
     def first(self) -> BatchPlan:
+        """The plan in force at the origin (a fresh run's first stage)."""
         return self.stages[0].plan
 
     @property
@@ -102,8 +125,15 @@ class BatchSchedule:
             return _stage_plan(self.first, self.max_global_batch_size)
         return max((s.plan for s in self.stages), key=lambda p: p.global_batch_size)
 
+    @property
+    def changes_batch(self) -> bool:
+        """Whether the run trains at more than one global batch (a schedule, or a batch
+        changed at a resume)."""
+        return self.kind != "fixed" or len(self.to_json()["stages"]) > 1
+
     def stage_at(self, examples: int) -> Stage:
-        """The stage of the optimizer step that starts reading at stream example `examples`."""
+        """The stage of the optimizer step that starts reading at stream example `examples`
+        (at or after the origin)."""
         here = self.stages[0]
         for stage in self.stages[1:]:
             if stage.asked_examples <= examples:
@@ -128,13 +158,26 @@ class BatchSchedule:
         self, first_example: int, first_step: int, global_batch_size: int
     ) -> BatchSchedule:
         """An auto ramp's decision: a new stage from the step starting at `first_example`."""
-        plan = _stage_plan(self.first, global_batch_size)
-        stage = Stage(first_example, plan, first_step, first_example, 0)
-        return dataclasses.replace(self, stages=(*self.stages, stage))
+        stage = Stage(first_example, _stage_plan(self.first, global_batch_size))
+        decided = (*self.decided, (first_step, first_example, global_batch_size))
+        return _laid(self, [*self.stages, stage], decided=decided)
 
-    def decided_stages(self) -> list[list[int]]:
-        """The auto ramp's stages after the first: [first step, first example, global]."""
-        return [[s.first_step, s.first_example, s.plan.global_batch_size] for s in self.stages[1:]]
+    def realized(self, step: int, examples: int) -> list[dict]:
+        """The stages a run stopped at (`step`, `examples`) has trained in, with their steps."""
+        ran = [
+            s.to_json() | {"steps": min(s.steps, step - s.first_step)}
+            for s in self.stages
+            if s.first_example < examples
+        ]
+        return _merged([*self.history, *ran])
+
+    def state(self, step: int, examples: int) -> dict:
+        """What a checkpoint at (`step`, `examples`) keeps, for schedule_from_config."""
+        return {
+            "realized": self.realized(step, examples),
+            "decided": [list(d) for d in self.decided],
+            "warmup_examples": self.warmup_examples,
+        }
 
     def to_json(self) -> dict:
         return {
@@ -143,52 +186,51 @@ class BatchSchedule:
             "total_examples": self.total_examples,
             "warmup_examples": self.warmup_examples,
             "max_global_batch_size": self.max_global_batch_size,
-            "stages": [
-                {
-                    "examples": s.first_example,
-                    "asked_examples": s.asked_examples,
-                    "global_batch_size": s.plan.global_batch_size,
-                    "grad_accum_steps": s.plan.grad_accum_steps,
-                    "learning_rate": s.plan.learning_rate,
-                    "first_step": s.first_step,
-                    "steps": s.steps,
-                }
-                for s in self.stages
-            ],
+            "stages": _merged([*self.history, *(s.to_json() for s in self.stages)]),
         }
 
     def table(self) -> str:
         """One row per stage: where it starts, its batch, K, peak rate and steps."""
         seq = self.first.seq_len
-        header = (
-            ["stage", "examples"]
-            + (["tokens"] if seq else [])
-            + [
-                "global_batch_size",
-                "grad_accum_steps",
-                "peak learning_rate",
-                "optimizer steps",
-            ]
-        )
+        header = ["stage", "examples"] + (["tokens"] if seq else [])
+        header += ["global_batch_size", "grad_accum_steps", "peak learning_rate"]
+        header.append("optimizer steps")
+        stages = self.to_json()["stages"]
         rows = []
-        for i, s in enumerate(self.stages):
-            start = f"{s.first_example:,}"
-            if s.first_example != s.asked_examples:
-                start += f" (asked {s.asked_examples:,})"
-            steps: object = s.steps if s.steps else "not reached"
-            if self.kind == AUTO and i == len(self.stages) - 1 and self.total_steps is None:
-                steps = "until the next doubling"
+        for i, s in enumerate(stages):
+            start = f"{s['examples']:,}"
+            if s["examples"] != s["asked_examples"]:
+                start += f" (asked {s['asked_examples']:,})"
+            steps: object = s["steps"] if s["steps"] else "not reached"
+            if self.kind == AUTO and i == len(stages) - 1:
+                steps = f"{s['steps']} until a doubling"
             rows.append(
                 [i, start]
-                + ([f"{s.first_example * seq:,}"] if seq else [])
+                + ([f"{s['examples'] * seq:,}"] if seq else [])
                 + [
-                    s.plan.global_batch_size,
-                    s.plan.grad_accum_steps,
-                    f"{s.plan.learning_rate:.6g}",
+                    s["global_batch_size"],
+                    s["grad_accum_steps"],
+                    f"{s['learning_rate']:.6g}",
                     steps,
                 ]
             )
         return format_table(header, rows)
+
+
+def _merged(stages: list[dict]) -> list[dict]:
+    """Stage records with a stage cut in two by a resume joined again."""
+    out: list[dict] = []
+    for s in stages:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last["global_batch_size"] == s["global_batch_size"]
+            and last["first_step"] + last["steps"] == s["first_step"]
+        ):
+            out[-1] = last | {"steps": last["steps"] + s["steps"]}
+        else:
+            out.append(dict(s))
+    return out
 
 
 def _stage_plan(first: BatchPlan, global_batch_size: int) -> BatchPlan:
@@ -205,15 +247,21 @@ def _stage_plan(first: BatchPlan, global_batch_size: int) -> BatchPlan:
     )
 
 
-def _walk(stages: list[Stage], steps: int | None, examples: int | None) -> list[Stage]:
-    """Lays the run over the stages: each one's first step, first example and step count,
-    until `steps` optimizer steps or `examples` examples are done."""
-    out, step, seen = [], 0, 0
+def _walk(
+    stages: list[Stage], steps: int | None, examples: int | None, step: int, seen: int
+) -> list[Stage]:
+    """Lays the run over the stages from optimizer step `step` at example `seen` (the
+    origin): the stage in force there and those after it, each with its first step, first
+    example and step count, until `steps` optimizer steps or `examples` examples are done."""
+    out = []
     for i, stage in enumerate(stages):
+        nxt = stages[i + 1].asked_examples if i + 1 < len(stages) else None
+        if nxt is not None and nxt <= seen:
+            continue  # over before the origin
         g = stage.plan.global_batch_size
         n = math.inf  # steps this stage may take: to the next stage, then to the run's end
-        if i + 1 < len(stages):
-            n = max(-(-(stages[i + 1].asked_examples - seen) // g), 0)
+        if nxt is not None:
+            n = max(-(-(nxt - seen) // g), 0)
         if steps is not None:
             n = min(n, steps - step)
         if examples is not None:
@@ -244,12 +292,17 @@ def plan_from_config(config: ml_collections.ConfigDict, mesh_shape: dict[str, in
 def schedule_from_config(
     config: ml_collections.ConfigDict,
     mesh_shape: dict[str, int],
-    decided: list[list[int]] | None = None,
+    saved: dict | None = None,
+    at: tuple[int, int] = (0, 0),
 ) -> BatchSchedule:
-    """The run's schedule on a mesh of this shape; `decided`: an auto ramp's saved stages."""
+    """The run's schedule on a mesh of this shape, laid from optimizer step `at[0]` at
+    example `at[1]`; `saved`: what the checkpoint there kept (BatchSchedule.state)."""
     b, t, o = config.batch, config.train, config.optimizer
     check_length(config)
+    saved = saved or {}
     text = (b.get("schedule") or "").strip()
+    if text.lower() == AUTO:
+        text = AUTO
     seq_len = config.data.get("seq_len")
 
     def plan(global_batch_size: int | None, per_device: int | None, accum: int | None) -> BatchPlan:
@@ -322,43 +375,80 @@ def schedule_from_config(
                 "batch.schedule=auto decides the global batch as the run goes, so its length "
                 "in optimizer steps is not known: give train.examples (and train.steps=null)"
             )
-        for first_step, first_example, g in decided or []:
-            stages.append(Stage(first_example, _stage_plan(first, g), first_step, first_example))
-    return _laid(config, kind, stages, max_global)
+    decided = [tuple(d) for d in saved.get("decided", [])] if kind == AUTO else []
+    for first_step, first_example, g in decided:
+        if max_global is not None and g > max_global:
+            raise BatchPlanError(
+                f"this run's auto ramp reached a global batch of {g} at optimizer step "
+                f"{first_step}, above batch.max_global_batch_size={max_global}: a resume "
+                f"cannot take it back; use batch.max_global_batch_size >= {g}, or a new "
+                "--workdir"
+            )
+        stages.append(Stage(first_example, _stage_plan(first, g)))
+    warmup_steps = max(int(o.warmup_steps), 0)
+    base = BatchSchedule(
+        kind=kind,
+        stages=(),
+        history=tuple(h for h in saved.get("realized", []) if h["examples"] < at[1]),
+        decided=tuple(decided),
+        length=(t.steps, t.get("examples")),
+        total_steps=0,
+        total_examples=0,
+        # Warmup: optimizer.warmup_steps steps of the run's first batch, as it ran.
+        warmup_examples=int(saved.get("warmup_examples", warmup_steps * first.global_batch_size)),
+        initial_lr_fraction=1 / max(warmup_steps, 1),
+        final_lr_fraction=o.final_lr_fraction,
+        max_global_batch_size=max_global if kind == AUTO else None,
+        patience=int(b.get("auto_patience", 0) or 0),
+        origin=at,
+    )
+    return _laid(base, stages)
 
 
 def fixed_schedule(config: ml_collections.ConfigDict, plan: BatchPlan) -> BatchSchedule:
     """One stage: `plan` for the whole run (what a split of a fixed batch trains)."""
-    return _laid(config, "fixed", [Stage(0, plan)], None)
+    t, o = config.train, config.optimizer
+    warmup_steps = max(int(o.warmup_steps), 0)
+    base = BatchSchedule(
+        kind="fixed",
+        stages=(),
+        history=(),
+        decided=(),
+        length=(t.steps, t.get("examples")),
+        total_steps=0,
+        total_examples=0,
+        warmup_examples=warmup_steps * plan.global_batch_size,
+        initial_lr_fraction=1 / max(warmup_steps, 1),
+        final_lr_fraction=o.final_lr_fraction,
+    )
+    return _laid(base, [Stage(0, plan)])
 
 
 def _laid(
-    config: ml_collections.ConfigDict, kind: str, stages: list[Stage], max_global: int | None
+    schedule: BatchSchedule,
+    stages: list[Stage],
+    decided: tuple[tuple[int, int, int], ...] | None = None,
 ) -> BatchSchedule:
-    """The stages laid over the run's length, and the learning rate's curve over examples."""
-    t, o, first = config.train, config.optimizer, stages[0].plan
-    # Decided stages start where they were decided, at a step boundary: the walk finds them
-    # there again.
-    walked = _walk(stages, t.steps, t.get("examples"))
-    total_steps = t.steps if t.steps is not None else sum(s.steps for s in walked)
-    # The examples the run trains on: train.examples rounded up to a whole step, or as
-    # many as the steps take. An auto ramp's is known only as it goes: its target.
-    walked_examples = sum(s.steps * s.plan.global_batch_size for s in walked)
-    total_examples = t.examples if kind == AUTO else walked_examples
-    warmup_steps = max(int(o.warmup_steps), 0)
-    warmup = warmup_steps * first.global_batch_size
-    return BatchSchedule(
-        kind=kind,
+    """`schedule` with `stages` laid over the run from its origin, and the learning rate's
+    curve over the examples the run will have trained."""
+    (steps, examples), (step0, seen0) = schedule.length, schedule.origin
+    walked = _walk(stages, steps, examples, step0, seen0)
+    total_steps = step0 + sum(s.steps for s in walked)
+    # train.examples rounded up to a whole step, or as many as the steps take; an auto
+    # ramp's total is known only as it goes: its decay ends at its target.
+    total_examples = seen0 + sum(s.steps * s.plan.global_batch_size for s in walked)
+    if schedule.kind == AUTO and examples is not None:
+        total_examples = examples
+    # As optax's warmup_cosine_decay_schedule over steps: the decay ends at least one
+    # (first-batch) step past the warmup.
+    first_batch = schedule.history[0]["global_batch_size"] if schedule.history else None
+    first_batch = first_batch or walked[0].plan.global_batch_size
+    return dataclasses.replace(
+        schedule,
         stages=tuple(walked),
-        total_steps=None if kind == AUTO else total_steps,
-        # As optax's warmup_cosine_decay_schedule over steps: the decay ends at least one
-        # (first-stage) step past the warmup.
-        total_examples=max(total_examples, warmup + first.global_batch_size),
-        warmup_examples=warmup,
-        initial_lr_fraction=1 / max(warmup_steps, 1),
-        final_lr_fraction=o.final_lr_fraction,
-        max_global_batch_size=max_global if kind == AUTO else None,
-        patience=int(config.batch.get("auto_patience", 0) or 0),
+        decided=schedule.decided if decided is None else decided,
+        total_steps=total_steps,
+        total_examples=max(total_examples, schedule.warmup_examples + first_batch),
     )
 
 
@@ -399,19 +489,9 @@ class AutoRamp:
         )
         return schedule.with_stage(examples, done, 2 * g) if double else schedule
 
-    def state(self, schedule: BatchSchedule) -> dict:
-        return {"decided": schedule.decided_stages(), "windows_above": self.windows_above}
+    def state(self) -> dict:
+        return {"windows_above": self.windows_above}
 
     @classmethod
     def load(cls, saved: dict | None) -> AutoRamp:
         return cls(windows_above=int((saved or {}).get("windows_above", 0)))
-
-
-def run_steps(schedule: BatchSchedule, step: int, examples: int, target: int | None) -> int:
-    """The run's length in optimizer steps, seen from `step` at `examples`: fixed by the
-    schedule, or for an auto ramp, the steps that reach `target` examples at today's batch."""
-    if schedule.total_steps is not None:
-        return schedule.total_steps
-    assert target is not None
-    g = schedule.plan_at(examples).global_batch_size
-    return step + max(-(-(target - examples) // g), 0)

@@ -49,12 +49,14 @@ FORMAT = 2
 
 # Config keys that may differ between a run and its resumption: where it runs, how the batch
 # is split (the global batch is checked on its own), and what is logged or saved.
-# train.steps is checked on its own too: it may only grow, when asked (--allow-longer).
+# train.steps (or train.examples) is checked on its own too: it may only grow, when asked
+# (--allow-longer).
 RESUMABLE_KEYS = (
     "name",
     "mesh.",
     "batch.",
     "train.steps",
+    "train.examples",
     "train.log_every",
     "train.eval_",  # eval_every, eval_examples (and the eval_batches of older runs)
     "train.profile_steps",
@@ -423,9 +425,15 @@ def resume(
                 f"resuming here changes the global batch from {old['global_batch_size']} to "
                 f"{plan.global_batch_size}, which trains a different model:\n"
                 + plans_side_by_side(old, new_plan)
-                + "\nLeave one of batch.per_device_batch_size / batch.grad_accum_steps free "
-                "(null) so it is re-derived, or pass --allow-batch-change to accept it (the "
-                f"learning rate then follows optimizer.lr_scaling={plan.lr_scaling!r})."
+                + (
+                    "\nbatch.schedule gives a different global batch at this example: keep its "
+                    "stages up to here (change only later ones)"
+                    if config.batch.get("schedule")
+                    else "\nLeave one of batch.per_device_batch_size / batch.grad_accum_steps "
+                    "free (null) so it is re-derived"
+                )
+                + ", or pass --allow-batch-change to accept it (the learning rate then follows "
+                f"optimizer.lr_scaling={plan.lr_scaling!r})."
             )
 
     found = checkpointer.restore_latest(abstract_state(setup), check)

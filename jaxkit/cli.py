@@ -449,6 +449,13 @@ def _plan(
             print(json.dumps({**plan.to_json(), **slice_info, **rows, **ramp}))
         else:
             print(plan.table())
+            if config.train.get("examples") is not None:
+                print(
+                    f"run: {schedule.total_steps} optimizer steps, {schedule.total_examples:,} "
+                    f"examples (train.examples={config.train.examples:,}, to a whole step)"
+                    if schedule.kind != "auto"
+                    else f"run: until {config.train.examples:,} examples (steps as the batch grows)"
+                )
             if ramp:
                 print(
                     f"\nbatch schedule ({schedule.kind}; K changes, the per-device batch does not):"

@@ -26,8 +26,8 @@ from jax.experimental.multihost_utils import reached_preemption_sync_point
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit import peak as peak_lib
-from jaxkit.batch_plan import BatchPlan
-from jaxkit.batch_schedule import AUTO, AutoRamp, BatchSchedule, run_steps, schedule_from_config
+from jaxkit.batch_plan import BatchPlan, BatchPlanError
+from jaxkit.batch_schedule import AUTO, AutoRamp, BatchSchedule, schedule_from_config
 from jaxkit.checkpoint import Checkpointer, Restored, position_of, resume
 from jaxkit.config import ConfigError, config_to_json, parse_profile_steps, validate
 from jaxkit.costs import StepPrograms
@@ -137,9 +137,11 @@ def train(
     tracker = StepTracker(config, plan, setup, cost, peak)
 
     def schedule_of(meta: dict) -> BatchSchedule:
-        """This config's schedule, with the stages an auto ramp had decided by `meta`."""
-        saved = meta["loop"].get("batch_schedule") or {}
-        return schedule_from_config(config, shape, saved.get("decided"))
+        """This config's schedule from a checkpoint's position on, after the stages the run
+        trained in before it (and an auto ramp's decisions) as the checkpoint recorded them."""
+        at = position_of(meta)
+        saved = meta["loop"].get("batch_schedule") or _legacy_history(meta, config)
+        return schedule_from_config(config, shape, saved, (at.step, at.examples))
 
     checkpointer, restored = None, None
     if workdir is not None:
@@ -165,7 +167,7 @@ def train(
         tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
     else:
         state = setup.init(jax.random.key(seed))
-    total = run_steps(schedule, position.step, position.examples, t.get("examples"))
+    total = schedule.total_steps
     if position.step >= total and workdir is not None:
         if checkpointer:
             checkpointer.close()
@@ -177,7 +179,7 @@ def train(
     # What changed at this resume: logged once, and kept in the checkpoints saved at this
     # step, so that a later resume from one of them keeps them in the log.
     at_plan = schedule.plan_at(position.examples)
-    events = resume_events(restored, config, at_plan, shape) if restored else []
+    events = resume_events(restored, config, schedule, shape) if restored else []
     run_dir = None
     if workdir is not None and jax.process_index() == 0:
         # Whatever an earlier attempt logged past the step this run starts from goes.
@@ -212,7 +214,7 @@ def train(
         meta = {"config": config_to_json(config), "plan": at_plan.to_json()}
         loop_state = tracker.loop_state(at)
         loop_state["events"] = [e for e in events if e["step"] == at.step]
-        loop_state["batch_schedule"] = ramp.state(schedule)
+        loop_state["batch_schedule"] = schedule.state(at.step, at.examples) | ramp.state()
         saved = checkpointer.save(at, state, dict(meta, loop=loop_state), wait=wait)
         if not saved:
             kept_micro = int(checkpointer.read_meta(at.step)["loop"].get("micro", 0))
@@ -331,7 +333,7 @@ def train(
                     noise = tracker.noise_scale.estimate().get("noise_scale")
                     schedule = ramp.decide(schedule, noise, done, examples)
                     setup = dataclasses.replace(setup, schedule=schedule)
-                    total = run_steps(schedule, done, examples, t.get("examples"))
+                    total = schedule.total_steps
                     bar.total = total
                 next_plan = schedule.plan_at(examples)
                 if done < total and next_plan.global_batch_size != step_plan.global_batch_size:
@@ -375,7 +377,7 @@ def train(
         eval_source,
         time.perf_counter() - start,
         total,
-        schedule.to_json() if schedule.kind != "fixed" else None,
+        schedule.to_json() if schedule.changes_batch else None,
     )
     if checkpointer:
         summary["checkpoint_blocking_s"] = checkpointer.blocking_s
@@ -386,11 +388,46 @@ def train(
     return RunResult(plan=plan, state=state, records=records, summary=summary)
 
 
+def _legacy_history(meta: dict, config: ml_collections.ConfigDict) -> dict:
+    """The batch history of a checkpoint saved before batch schedules: one fixed batch."""
+    plan, at = meta["plan"], position_of(meta)
+    first = {
+        "examples": 0,
+        "asked_examples": 0,
+        "global_batch_size": plan["global_batch_size"],
+        "grad_accum_steps": plan["grad_accum_steps"],
+        "learning_rate": plan["learning_rate"],
+        "first_step": 0,
+        "steps": at.step,
+    }
+    warmup = max(int(config.optimizer.warmup_steps), 0) * plan["global_batch_size"]
+    return {"realized": [first] if at.step else [], "warmup_examples": warmup}
+
+
 def resume_events(
-    restored: Restored, config: ml_collections.ConfigDict, plan: BatchPlan, shape: dict[str, int]
+    restored: Restored,
+    config: ml_collections.ConfigDict,
+    schedule: BatchSchedule,
+    shape: dict[str, int],
 ) -> list[dict]:
     """What changed at a resume, as records in the run's own history (metrics.jsonl)."""
     meta, at = restored.meta, restored.position
+    plan = schedule.plan_at(at.examples)
+    saved = meta["loop"].get("batch_schedule") or _legacy_history(meta, config)
+    try:  # the saved config's schedule from here on: what the run would have done
+        old = ml_collections.ConfigDict(meta["config"])
+        before = schedule_from_config(
+            old, meta["plan"]["mesh_shape"], saved, (at.step, at.examples)
+        )
+    except BatchPlanError:  # a mesh of the saved config no longer describable: no comparison
+        before = None
+    # The rate of the next optimizer step under the saved config and under this one.
+    rates = {"learning_rate": schedule.learning_rate(at.examples, plan)}
+    if before is not None:
+        rates = {
+            "learning_rate_before": before.learning_rate(at.examples, before.plan_at(at.examples)),
+            "learning_rate_after": rates["learning_rate"],
+        }
     events = []
     if meta["plan"] != plan.to_json():  # the move: plan and learning-rate policy
         events.append(
@@ -402,7 +439,8 @@ def resume_events(
                 "from_plan": meta["plan"],
                 "to_plan": plan.to_json(),
                 "lr_scaling": plan.lr_scaling,
-                "learning_rate": plan.learning_rate,
+                "learning_rate": plan.learning_rate,  # the peak, scaled for this batch
+                **rates,
             }
         )
     if restored.redone_micro_steps:
@@ -417,25 +455,37 @@ def resume_events(
     saved_t, t = meta["config"]["train"], config.train
     key = "steps" if t.steps is not None else "examples"
     if saved_t.get(key) != t[key]:  # --allow-longer: the schedule is re-laid
-        old = ml_collections.ConfigDict(meta["config"])
-        old_shape = meta["plan"]["mesh_shape"]
-        saved = meta["loop"].get("batch_schedule") or {}
-        before = schedule_from_config(old, old_shape, saved.get("decided"))
-        after = schedule_from_config(config, shape, saved.get("decided"))
         events.append(
             {
                 "event": "steps_change",
                 "step": at.step,
                 f"from_{key}": saved_t.get(key),
                 f"to_{key}": t[key],
-                # The rate of the next optimizer step under the old and the new schedule.
-                "learning_rate_before": before.learning_rate(
-                    at.examples, before.plan_at(at.examples)
-                ),
-                "learning_rate_after": after.learning_rate(at.examples, plan),
+                **rates,
+            }
+        )
+    elif before is not None and _course(before) != _course(schedule):
+        # batch.* changed what is still to come (the stages, the run's examples): the
+        # learning-rate curve is re-laid over the examples the run will now train.
+        events.append(
+            {
+                "event": "batch_schedule_change",
+                "step": at.step,
+                "examples_seen": at.examples,
+                "from_schedule": before.to_json(),
+                "to_schedule": schedule.to_json(),
+                **rates,
             }
         )
     return events
+
+
+def _course(schedule: BatchSchedule) -> tuple:
+    """What a schedule trains, whatever the mesh: each stage's start, batch, steps and peak
+    rate, and the examples the learning rate's decay spans."""
+    keys = ("examples", "global_batch_size", "steps", "learning_rate")
+    stages = tuple(tuple(s[k] for k in keys) for s in schedule.to_json()["stages"])
+    return stages, schedule.total_examples
 
 
 def batch_change_event(
@@ -504,7 +554,7 @@ def _finished_run(
         summary = json.loads(summary_file.read_text())
     else:
         records = [r for r in records if "event" not in r]
-        fixed = schedule.kind == "fixed"
+        fixed = not schedule.changes_batch
         summary = summarize(
             config,
             plan,

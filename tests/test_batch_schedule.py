@@ -15,6 +15,7 @@ from test_equivalence import LOSS_RTOL, PARAM_ATOL
 from jaxkit import costs
 from jaxkit.batch_plan import BatchPlanError
 from jaxkit.batch_schedule import auto_decision, parse_stages, schedule_from_config
+from jaxkit.checkpoint import CheckpointError
 from jaxkit.config import ConfigError, apply_overrides, load_config, validate
 from jaxkit.loop import train
 
@@ -57,6 +58,7 @@ def test_stages_parse_examples_scales_and_tokens():
         (600000, 256),
     ]
     assert parse_stages("0:64,1.5M:128", None) == [(0, 64), (1_500_000, 128)]
+    assert parse_stages("0:64,1.001k:128,0.067G:256", None)[1:] == [(1001, 128), (67 * 10**6, 256)]
     # 25M tokens of 128-token rows: the first example that starts at or past token 25M.
     assert parse_stages("0:64,25Mt:128", 128) == [(0, 64), (math.ceil(25e6 / 128), 128)]
     for bad, why in [
@@ -312,6 +314,7 @@ def test_auto_needs_two_batch_sizes_a_maximum_it_can_reach_and_a_length_in_examp
     # Fused on several data groups: each group's gradient is the small batch.
     fused = auto("batch.per_device_batch_size=4", "train.accumulation=fused")
     assert schedule_from_config(fused, SHAPE_8).first.grad_accum_steps == 1
+    assert schedule_from_config(auto("batch.schedule=AUTO"), SHAPE_8).kind == "auto"
     with pytest.raises(BatchPlanError, match="one of 32, 64, 128"):
         schedule_from_config(auto("batch.max_global_batch_size=100"), SHAPE_8)
     with pytest.raises(BatchPlanError, match=r"give train\.examples"):
@@ -344,3 +347,96 @@ def test_plan_prints_the_stage_table_and_json():
         (256, 2, 6),
         (640, 4, 16),
     ]
+
+
+def read_log(path):
+    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_every_step_once_and_examples_add_up(lines):
+    records = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    seen = 0
+    for r in records:
+        seen += r["global_batch_size"]
+        assert r["examples_seen"] == seen
+    return records
+
+
+def test_a_schedule_changed_at_a_resume_changes_only_what_is_still_to_come(tmp_path):
+    run_by_examples = ["train.steps=null", "train.examples=1600"]
+    # 8 steps of 32 and 6 of 64 reach example 640; stage 2 (K = 4) starts at micro-step 20:
+    # stop 2 micro-steps into its second step (position: step 15, example 768).
+    first = quiet(ramped(*run_by_examples), workdir=tmp_path, stop_after_micro_steps=26)
+    assert first.stopped
+    later = "batch.schedule=0:32,256:64,640:128,1024:256"  # a stage added ahead
+    result = quiet(ramped(*run_by_examples, later), workdir=tmp_path)
+    lines = read_log(tmp_path)
+    records = assert_every_step_once_and_examples_add_up(lines)
+    # 768 + 2 × 128 = 1024, then 256s until at or past 1600: 1792, at step 15 + 2 + 3.
+    assert (records[-1]["step"], records[-1]["examples_seen"]) == (20, 1792)
+    summary = result.summary
+    assert (summary["steps"], summary["examples_seen"]) == (20, 1792)
+    stages = [
+        (s["examples"], s["global_batch_size"], s["steps"])
+        for s in summary["batch_schedule"]["stages"]
+    ]
+    assert stages == [(0, 32, 8), (256, 64, 6), (640, 128, 3), (1024, 256, 3)]
+    # The learning rate's decay spans the examples the run trains, and the change is logged.
+    assert summary["batch_schedule"]["total_examples"] == 1792
+    (change,) = [r for r in lines if r.get("event") == "batch_schedule_change"]
+    assert change["step"] == 15 and change["to_schedule"]["total_examples"] == 1792
+    assert change["from_schedule"]["total_examples"] == 1664  # 640 + 8 × 128
+    assert change["learning_rate_after"] == pytest.approx(records[15]["learning_rate"], rel=1e-6)
+
+
+def test_a_batch_changed_at_a_resume_keeps_the_runs_length_in_examples(tmp_path):
+    by_examples = digits("train.steps=null", "train.examples=1600", "train.log_every=1")
+    assert quiet(by_examples, workdir=tmp_path, stop_after_micro_steps=20).stopped  # 640 seen
+    apply_overrides(by_examples, ["batch.global_batch_size=64"])
+    result = quiet(by_examples, workdir=tmp_path, allow_batch_change=True)
+    lines = read_log(tmp_path)
+    records = assert_every_step_once_and_examples_add_up(lines)
+    assert (records[-1]["step"], records[-1]["examples_seen"]) == (20 + 960 // 64, 1600)
+    assert result.summary["examples_seen"] == 1600
+    (change,) = [r for r in lines if r.get("event") == "plan_change"]
+    assert change["learning_rate_after"] == pytest.approx(records[20]["learning_rate"], rel=1e-6)
+    # The run still ends at 1,600 examples and lr_scaling is none: the same curve goes on.
+    assert change["learning_rate_before"] == change["learning_rate_after"]
+
+
+def test_a_batch_changed_at_a_resume_ends_the_decay_where_the_run_ends(tmp_path):
+    config = digits("train.steps=30", "train.log_every=1", "optimizer.warmup_steps=2")
+    assert quiet(config, workdir=tmp_path, stop_after_micro_steps=15).stopped
+    apply_overrides(config, ["batch.global_batch_size=64"])
+    result = quiet(config, workdir=tmp_path, allow_batch_change=True)
+    schedule = result.summary["batch_schedule"]
+    # 15 steps of 32 then 15 of 64: the decay spans 1,440 examples, not 30 × 64.
+    assert schedule["total_examples"] == result.summary["examples_seen"] == 15 * 32 + 15 * 64
+    last = train_records(result)[-1]
+    end = config.optimizer.final_lr_fraction
+    progress = (1440 - 64 - 2 * 32) / (1440 - 2 * 32)  # the last step starts 64 before
+    expected = end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
+    assert last["learning_rate"] == pytest.approx(3e-3 * expected, rel=1e-6)
+
+
+def test_an_auto_resume_cannot_lower_the_maximum_below_what_it_reached(tmp_path):
+    assert quiet(auto(), workdir=tmp_path, stop_after_micro_steps=41).stopped  # reached 128
+    with pytest.raises(BatchPlanError, match="reached a global batch of 128"):
+        quiet(auto("batch.max_global_batch_size=64"), workdir=tmp_path)
+
+
+def test_a_run_by_examples_grows_only_with_allow_longer(tmp_path):
+    config = ramped("train.steps=null", "train.examples=640")
+    quiet(config, workdir=tmp_path)
+    longer = ramped("train.steps=null", "train.examples=1000")
+    with pytest.raises(CheckpointError, match=r"finished run of 640 examples.*--allow-longer"):
+        quiet(longer, workdir=tmp_path)
+    with pytest.raises(CheckpointError, match=r"cannot be measured in train\.steps"):
+        quiet(ramped(), workdir=tmp_path)
+    result = quiet(longer, workdir=tmp_path, allow_longer=True)
+    lines = read_log(tmp_path)
+    assert_every_step_once_and_examples_add_up(lines)
+    (change,) = [r for r in lines if r.get("event") == "steps_change"]
+    assert (change["from_examples"], change["to_examples"]) == (640, 1000)
+    assert result.summary["examples_seen"] == 640 + 3 * 128  # 1024: at or past 1000
