@@ -124,9 +124,6 @@ def train(
 
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())
-    if schedule.kind != "fixed":
-        echo(f"batch schedule ({schedule.kind}):")
-        echo(schedule.table())
     # Compiled once, ahead of time (once per K in fused mode): the loop calls these
     # executables, and their cost analysis gives the FLOPs behind throughput and MFU.
     programs = StepPrograms(config, setup)
@@ -167,6 +164,9 @@ def train(
         tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
     else:
         state = setup.init(jax.random.key(seed))
+    if schedule.kind != "fixed":  # as laid from where this run starts
+        echo(f"batch schedule ({schedule.kind}):")
+        echo(schedule.table())
     total = schedule.total_steps
     if position.step >= total and workdir is not None:
         if checkpointer:
