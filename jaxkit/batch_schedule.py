@@ -218,13 +218,15 @@ class BatchSchedule:
 
 
 def _merged(stages: list[dict]) -> list[dict]:
-    """Stage records with a stage cut in two by a resume joined again."""
+    """Stage records with a stage cut in two by a resume joined again (when the resume kept
+    its K: on another device count the two pieces stay apart)."""
     out: list[dict] = []
     for s in stages:
         last = out[-1] if out else None
         if (
             last is not None
             and last["global_batch_size"] == s["global_batch_size"]
+            and last["grad_accum_steps"] == s["grad_accum_steps"]  # not another device count
             and last["first_step"] + last["steps"] == s["first_step"]
         ):
             out[-1] = last | {"steps": last["steps"] + s["steps"]}

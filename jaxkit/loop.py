@@ -122,8 +122,6 @@ def train(
     check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
     fused = setup.accumulation == "fused"
 
-    echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
-    echo(plan.table())
     # Compiled once, ahead of time (once per K in fused mode): the loop calls these
     # executables, and their cost analysis gives the FLOPs behind throughput and MFU.
     programs = StepPrograms(config, setup)
@@ -164,6 +162,10 @@ def train(
         tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
     else:
         state = setup.init(jax.random.key(seed))
+    # The plan in force where this run starts (a resume may start in a later stage).
+    plan = schedule.plan_at(position.examples)
+    echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
+    echo(plan.table())
     if schedule.kind != "fixed":  # as laid from where this run starts
         echo(f"batch schedule ({schedule.kind}):")
         echo(schedule.table())
@@ -178,7 +180,6 @@ def train(
 
     # What changed at this resume: logged once, and kept in the checkpoints saved at this
     # step, so that a later resume from one of them keeps them in the log.
-    at_plan = schedule.plan_at(position.examples)
     events = resume_events(restored, config, schedule, shape) if restored else []
     run_dir = None
     if workdir is not None and jax.process_index() == 0:
@@ -257,7 +258,7 @@ def train(
     # micro-step at which every process stops, so all save the same checkpoint.
     multi_process = jax.process_count() > 1
     tracker.restart_clock()  # the first step's time starts here, not at set-up
-    step, step_plan = position.step, at_plan
+    step, step_plan = position.step, plan
     with _stop_requests(handle_sigterm=not multi_process) as stop:
         try:
             while step < total:
@@ -459,6 +460,7 @@ def resume_events(
             {
                 "event": "steps_change",
                 "step": at.step,
+                "examples_seen": at.examples,
                 f"from_{key}": saved_t.get(key),
                 f"to_{key}": t[key],
                 **rates,

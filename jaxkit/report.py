@@ -97,13 +97,15 @@ def summary_row(run: dict) -> dict:
     times = [r["step_time_s"] for r in train[1:]]
     step_time = statistics.median(times) if times else None
     rates = [r["examples_per_s"] for r in train[1:]]
+    last = train[-1] if train else {}
     return {
         "run": run["name"],
         "status": "finished" if run["summary"] else "running or interrupted",
         "devices": plan.get("data_parallel_size"),
         "per_device": plan.get("per_device_batch_size"),
-        "accum": plan.get("grad_accum_steps"),
-        "global_batch": plan.get("global_batch_size"),
+        # The last step's: a batch schedule changes both as the run goes.
+        "accum": last.get("grad_accum_steps", plan.get("grad_accum_steps")),
+        "global_batch": last.get("global_batch_size", plan.get("global_batch_size")),
         "steps": train[-1]["step"] if train else 0,
         "final_loss": train[-1]["loss"] if train else None,
         "final_eval_loss": evals[-1]["eval_loss"] if evals else None,

@@ -12,7 +12,7 @@ import optax
 import pytest
 from test_equivalence import LOSS_RTOL, PARAM_ATOL
 
-from jaxkit import costs
+from jaxkit import costs, report
 from jaxkit.batch_plan import BatchPlanError
 from jaxkit.batch_schedule import auto_decision, parse_stages, schedule_from_config
 from jaxkit.checkpoint import CheckpointError
@@ -236,6 +236,17 @@ def test_a_ramped_run_resumes_across_stage_boundaries_on_other_device_counts(tmp
     assert [(c["step"], c["global_batch_size"]) for c in changes] == [(8, 64), (14, 128)]
     for x, y in zip(final_params(reference), final_params(last), strict=True):
         np.testing.assert_allclose(x, y, atol=PARAM_ATOL)
+    # What ran, piece by piece: stage 1 ran with K = 2 on 8 devices, then K = 4 on 4.
+    pieces = [
+        (s["examples"], s["global_batch_size"], s["grad_accum_steps"], s["steps"])
+        for s in last.summary["batch_schedule"]["stages"]
+    ]
+    assert pieces == [(0, 32, 1, 8), (256, 64, 2, 2), (384, 64, 4, 4), (640, 128, 4, 2)]
+    # plan.json and the report show the plan the last attempt ran, and the last step's batch.
+    plan = json.loads((work / "plan.json").read_text())
+    assert (plan["global_batch_size"], plan["grad_accum_steps"]) == (128, 4)
+    row = report.summary_row(report.load_run(work))
+    assert (row["devices"], row["global_batch"], row["accum"]) == (8, 128, 4)
 
 
 def test_the_auto_rule_doubles_after_patience_windows_above_the_batch_and_never_shrinks():
