@@ -122,6 +122,9 @@ def train(
     check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
     fused = setup.accumulation == "fused"
 
+    echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
+    echo(plan.table())
+
     # Compiled once, ahead of time (once per K in fused mode): the loop calls these
     # executables, and their cost analysis gives the FLOPs behind throughput and MFU.
     programs = StepPrograms(config, setup)
@@ -162,10 +165,10 @@ def train(
         tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
     else:
         state = setup.init(jax.random.key(seed))
-    # The plan in force where this run starts (a resume may start in a later stage).
-    plan = schedule.plan_at(position.examples)
-    echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
-    echo(plan.table())
+    if schedule.plan_at(position.examples) != plan:
+        # The plan in force where this run starts: a resume in a later stage.
+        plan = schedule.plan_at(position.examples)
+        echo(f"resuming in a later stage of the batch schedule; its plan:\n{plan.table()}")
     if schedule.kind != "fixed":  # as laid from where this run starts
         echo(f"batch schedule ({schedule.kind}):")
         echo(schedule.table())
