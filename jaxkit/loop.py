@@ -486,10 +486,12 @@ def resume_events(
 
 
 def _course(schedule: BatchSchedule) -> tuple:
-    """What a schedule trains, whatever the mesh: each stage's start, batch, steps and peak
-    rate, and the examples the learning rate's decay spans."""
-    keys = ("examples", "global_batch_size", "steps", "learning_rate")
-    stages = tuple(tuple(s[k] for k in keys) for s in schedule.to_json()["stages"])
+    """What a schedule trains from its origin on, whatever the mesh: each stage's start,
+    batch, steps and peak rate, and the examples the learning rate's decay spans."""
+    stages = tuple(
+        (s.first_example, s.plan.global_batch_size, s.steps, s.plan.learning_rate)
+        for s in schedule.stages  # from the resume on: both share the history before it
+    )
     return stages, schedule.total_examples
 
 

@@ -234,6 +234,8 @@ def test_a_ramped_run_resumes_across_stage_boundaries_on_other_device_counts(tmp
     assert steps == list(range(1, 17))  # every step once, in order
     changes = [r for r in lines if r.get("event") == "batch_change"]
     assert [(c["step"], c["global_batch_size"]) for c in changes] == [(8, 64), (14, 128)]
+    # Other device counts, the same schedule: nothing to come changed, so no such event.
+    assert not [r for r in lines if r.get("event") == "batch_schedule_change"]
     for x, y in zip(final_params(reference), final_params(last), strict=True):
         np.testing.assert_allclose(x, y, atol=PARAM_ATOL)
     # What ran, piece by piece: stage 1 ran with K = 2 on 8 devices, then K = 4 on 4.
