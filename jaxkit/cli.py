@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
 import sys
@@ -323,6 +324,10 @@ INTERRUPTED = 130  # the shell's status for a Ctrl-C
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Each line as it is printed, also into a pipe or a file (`| tee`, a job's log): the
+    # plan and the step records should not wait for a block to fill.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         code = _main(argv)
     except KeyboardInterrupt:  # Ctrl-C before training started (a run saves on it instead)
