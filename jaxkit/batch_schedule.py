@@ -388,18 +388,13 @@ def schedule_from_config(
             )
         stages.append(Stage(first_example, _stage_plan(first, g)))
     warmup_steps = max(int(o.warmup_steps), 0)
-    base = BatchSchedule(
-        kind=kind,
-        stages=(),
+    base = _unlaid(
+        config,
+        kind,
+        # Warmup: optimizer.warmup_steps steps of the run's first batch, as it ran.
+        int(saved.get("warmup_examples", warmup_steps * first.global_batch_size)),
         history=tuple(h for h in saved.get("realized", []) if h["examples"] < at[1]),
         decided=tuple(decided),
-        length=(t.steps, t.get("examples")),
-        total_steps=0,
-        total_examples=0,
-        # Warmup: optimizer.warmup_steps steps of the run's first batch, as it ran.
-        warmup_examples=int(saved.get("warmup_examples", warmup_steps * first.global_batch_size)),
-        initial_lr_fraction=1 / max(warmup_steps, 1),
-        final_lr_fraction=o.final_lr_fraction,
         max_global_batch_size=max_global if kind == AUTO else None,
         patience=int(b.get("auto_patience", 0) or 0),
         origin=at,
@@ -409,21 +404,29 @@ def schedule_from_config(
 
 def fixed_schedule(config: ml_collections.ConfigDict, plan: BatchPlan) -> BatchSchedule:
     """One stage: `plan` for the whole run (what a split of a fixed batch trains)."""
+    warmup_steps = max(int(config.optimizer.warmup_steps), 0)
+    base = _unlaid(config, "fixed", warmup_steps * plan.global_batch_size)
+    return _laid(base, [Stage(0, plan)])
+
+
+def _unlaid(
+    config: ml_collections.ConfigDict, kind: str, warmup_examples: int, **fields: object
+) -> BatchSchedule:
+    """A schedule with the config's length and learning-rate shape, before `_laid` lays
+    its stages."""
     t, o = config.train, config.optimizer
-    warmup_steps = max(int(o.warmup_steps), 0)
-    base = BatchSchedule(
-        kind="fixed",
+    defaults: dict = {"history": (), "decided": ()}
+    return BatchSchedule(
+        kind=kind,
         stages=(),
-        history=(),
-        decided=(),
         length=(t.steps, t.get("examples")),
         total_steps=0,
         total_examples=0,
-        warmup_examples=warmup_steps * plan.global_batch_size,
-        initial_lr_fraction=1 / max(warmup_steps, 1),
+        warmup_examples=warmup_examples,
+        initial_lr_fraction=1 / max(int(o.warmup_steps), 1),
         final_lr_fraction=o.final_lr_fraction,
+        **(defaults | fields),
     )
-    return _laid(base, [Stage(0, plan)])
 
 
 def _laid(

@@ -233,6 +233,27 @@ def new_figure() -> tuple[Figure, Axes]:
     return fig, fig.subplots()
 
 
+def loss_figures(report: Report, curves: dict[str, dict], target: float | None = None) -> None:
+    """Loss against examples seen and against optimizer steps (log scale), one line per
+    run (`curves[label]` holds arrays "examples", "steps", "loss"); `target` a dotted line."""
+    for x, label, name in (
+        ("examples", "examples seen", "loss_vs_examples.png"),
+        ("steps", "optimizer steps", "loss_vs_steps.png"),
+    ):
+        fig, ax = new_figure()
+        for run_label, r in curves.items():
+            ax.plot(r[x], r["loss"], label=run_label)
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel(label)
+        ax.set_ylabel("training loss")
+        if x == "steps":
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        report.figure(fig, name, f"Loss against {label}")
+
+
 def run(
     name: str,
     config: ml_collections.ConfigDict,

@@ -30,7 +30,7 @@ from jaxkit.experiments import (
     Report,
     drive,
     live_mesh,
-    new_figure,
+    loss_figures,
 )
 from jaxkit.loop import train
 
@@ -202,21 +202,7 @@ def run(
             "small too, so the larger batches may need as many examples or more to reach a "
             "loss: the table says what happened, win or lose."
         )
-        for x, label, name in (
-            ("examples", "examples seen", "loss_vs_examples.png"),
-            ("steps", "optimizer steps", "loss_vs_steps.png"),
-        ):
-            fig, ax = new_figure()
-            for run_name, r in runs.items():
-                ax.plot(r[x], r["loss"], label=run_name)
-            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-            ax.set_xlabel(label)
-            ax.set_ylabel("training loss")
-            if x == "steps":
-                ax.set_xscale("log")
-            ax.grid(alpha=0.3)
-            ax.legend()
-            report.figure(fig, name, f"Loss against {label}")
+        loss_figures(report, runs, target)
 
     report = Report(out, "Batch ramp: fixed, scheduled and automatic global batch")
     return drive(report, arms, do_unit, render, "runs")

@@ -23,7 +23,7 @@ from jaxkit.experiments import (
     Report,
     drive,
     live_mesh,
-    new_figure,
+    loss_figures,
     train_unit,
 )
 
@@ -126,20 +126,7 @@ def run(
             ),
             rows,
         )
-        for x, label, name in (
-            ("examples", "examples seen", "loss_vs_examples.png"),
-            ("steps", "optimizer steps", "loss_vs_steps.png"),
-        ):
-            fig, ax = new_figure()
-            for g, r in sorted(runs.items()):
-                ax.plot(r[x], r["loss"], label=f"global batch {g}")
-            ax.set_xlabel(label)
-            ax.set_ylabel("training loss")
-            if x == "steps":
-                ax.set_xscale("log")
-            ax.grid(alpha=0.3)
-            ax.legend()
-            report.figure(fig, name, f"Loss against {label}")
+        loss_figures(report, {f"global batch {g}": r for g, r in sorted(runs.items())})
 
     report = Report(out, "Batch size: the same examples at several global batches")
     return drive(report, units, do_unit, render, "batch sizes")
