@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxkit.config import flatten
+from jaxkit.layers import LM_DEFAULTS
 from jaxkit.data import Position
 from jaxkit.workdir import absolute, missing_gcs_support
 
@@ -64,6 +65,7 @@ RESUMABLE_KEYS = (
     # Smooths a logged estimate; only the auto ramp reads it (from the resume on).
     "train.noise_scale_decay",
     "train.accumulation",  # both modes keep MultiSteps' state layout
+    "model.remat",  # recomputes activations; the params and their updates are the same
     "checkpoint.",
 )
 
@@ -86,7 +88,9 @@ def _names(path: tuple) -> tuple[str, ...]:
 
 def config_conflicts(saved: dict, current: dict) -> list[str]:
     """Lines `key: saved -> current` for every difference that would change the model."""
-    old, new = flatten(saved), flatten(current)
+    # Runs saved before a model key existed ran with its default.
+    defaults = {f"model.{key}": value for key, value in LM_DEFAULTS.items()}
+    old, new = defaults | flatten(saved), defaults | flatten(current)
     lines = []
     for key in sorted(old.keys() | new.keys()):
         if key.startswith(RESUMABLE_KEYS) or old.get(key) == new.get(key):
@@ -415,6 +419,9 @@ def resume(
                 f"{checkpointer.directory.parent} holds a run with a different config; "
                 "resuming would train a different model:\n"
                 + "\n".join(conflicts)
+                + ("\nmodel.scan_layers stacks the blocks' params on a layer axis: a "
+                   "checkpoint of one layout does not load into the other."
+                   if any("model.scan_layers" in line for line in conflicts) else "")
                 + "\nUse the saved values, or a new --workdir."
             )
         _check_length(meta["config"], position_of(meta), config, allow_longer)

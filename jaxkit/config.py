@@ -335,20 +335,47 @@ BASE_RULES: dict[str, Rule] = {
     "train.profile_steps": _text(nullable=False),
     "checkpoint.every": _COUNT,
     "checkpoint.keep": _POSITIVE,
-    "model.kind": _one_of("transformer", "mlp"),
+    "model.kind": _one_of("transformer", "llama", "mlp"),
+}
+LM_KINDS = ("transformer", "llama")  # token rows in, logits per position out
+
+
+def _boolean(value: object) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+_LM_DATA: dict[str, Rule] = {
+    "model.vocab_size": _POSITIVE,
+    "data.source": _one_of("text", "synthetic"),
+    "data.seq_len": _POSITIVE,
+    "data.eval_fraction": _number(0, 1, open_low=True, open_high=True),
+}
+# Precision, rematerialisation and scanned layers (layers.py): optional, with defaults.
+_LM_OPTIONS: dict[str, Rule] = {
+    "model.param_dtype": _one_of("float32", "bfloat16"),
+    "model.compute_dtype": _one_of("float32", "bfloat16"),
+    "model.remat": _one_of("none", "full", "dots"),
+    "model.scan_layers": _boolean,
 }
 
 # Each model kind's keys: the model's sizes, and the data it reads.
 MODEL_RULES: dict[str, dict[str, Rule]] = {
     "transformer": {
-        "model.vocab_size": _POSITIVE,
         "model.d_model": _POSITIVE,
         "model.num_layers": _POSITIVE,
         "model.num_heads": _POSITIVE,
         "model.mlp_dim": _POSITIVE,
-        "data.source": _one_of("text", "synthetic"),
-        "data.seq_len": _POSITIVE,
-        "data.eval_fraction": _number(0, 1, open_low=True, open_high=True),
+        **_LM_DATA,
+    },
+    "llama": {
+        "model.d_model": _POSITIVE,
+        "model.num_layers": _POSITIVE,
+        "model.num_heads": _POSITIVE,
+        "model.num_kv_heads": _POSITIVE,  # grouped-query attention; = num_heads for MHA
+        "model.mlp_dim": _POSITIVE,
+        "model.tie_embeddings": _boolean,
+        "model.rope_theta": _number(0, open_low=True, open_high=False),
+        **_LM_DATA,
     },
     "mlp": {
         "model.hidden_size": _POSITIVE,
@@ -362,7 +389,8 @@ MODEL_RULES: dict[str, dict[str, Rule]] = {
 
 # Keys a model kind may leave out, checked where present.
 OPTIONAL_RULES: dict[str, dict[str, Rule]] = {
-    "transformer": {},
+    "transformer": _LM_OPTIONS,
+    "llama": _LM_OPTIONS,
     "mlp": {"data.seq_len": _null("the mlp reads rows, not sequences")},
 }
 # Keys only one data source reads: required with that source, checked wherever present.
@@ -423,7 +451,7 @@ def _check_relations(flat: dict[str, Any], kind: str) -> None:
         )
     if flat["train.profile_steps"]:
         parse_profile_steps(flat["train.profile_steps"], flat["train.steps"])
-    if kind == "transformer":
+    if kind in LM_KINDS:
         _check_transformer(flat)
     else:
         _check_mlp(flat)
@@ -435,6 +463,17 @@ def _check_transformer(flat: dict[str, Any]) -> None:
         raise ConfigError(
             f"model.d_model={d_model} is not divisible by model.num_heads={heads}: each head "
             "takes d_model / num_heads dimensions"
+        )
+    kv_heads = flat.get("model.num_kv_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise ConfigError(
+            f"model.num_heads={heads} is not divisible by model.num_kv_heads={kv_heads}: each "
+            "key/value head serves an equal group of query heads"
+        )
+    if kv_heads is not None and (d_model // heads) % 2:
+        raise ConfigError(
+            f"model.d_model / model.num_heads = {d_model // heads} is odd: rotary positions "
+            "rotate pairs of a head's dimensions"
         )
     if flat["data.source"] == "text" and flat["model.vocab_size"] < BYTES:
         raise ConfigError(

@@ -36,6 +36,8 @@ from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan, divisors
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import abstract_state
+from jaxkit.config import LM_KINDS
+from jaxkit.flops import hardware_flops, model_flops_per_example
 from jaxkit.optimizer import Hyper
 from jaxkit.train_step import Setup, build
 
@@ -94,6 +96,10 @@ class StepCost:
     calls_per_step: int  # K: micro-steps per optimizer step (see the module docstring)
     update_flops: float  # the inner optimizer's update, which runs once per optimizer step
     compile_s: float
+    # One micro-batch's share of the two counts of flops.py: the architecture's (model) and
+    # the compiled matmuls, loop bodies times their trips and recomputation included.
+    model_flops_per_call: float = 0.0
+    hardware_flops_per_call: float = 0.0
 
     @property
     def memory_bytes(self) -> int:
@@ -110,6 +116,16 @@ class StepCost:
         k = self.calls_per_step
         return k * self.flops_per_call - (k - 1) * self.update_flops
 
+    @property
+    def model_flops_per_step(self) -> float:
+        """The architecture's FLOPs of one optimizer step per device: the basis of MFU."""
+        return self.calls_per_step * self.model_flops_per_call
+
+    @property
+    def hardware_flops_per_step(self) -> float:
+        """Matmul FLOPs the compiled step executes per optimizer step per device: HFU's."""
+        return self.calls_per_step * self.hardware_flops_per_call
+
     def to_json(self) -> dict:
         return {
             "memory_bytes": self.memory_bytes,
@@ -118,6 +134,8 @@ class StepCost:
             "alias_bytes": self.alias_bytes,
             "temp_bytes": self.temp_bytes,
             "flops_per_step": self.flops_per_step,
+            "model_flops_per_step": self.model_flops_per_step,
+            "hardware_flops_per_step": self.hardware_flops_per_step,
             "compile_s": self.compile_s,
         }
 
@@ -136,7 +154,7 @@ def split_config(
 
 def batch_row_spec(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], str]]:
     """Each batch entry's per-row shape and dtype, as the data sources deliver them."""
-    if config.model.kind == "transformer":
+    if config.model.kind in LM_KINDS:
         row = ((config.data.seq_len,), "int32")
         return {"inputs": row, "targets": row}
     return {"inputs": ((config.data.num_features,), "float32"), "targets": ((), "int32")}
@@ -198,7 +216,15 @@ def compile_setup_step(
             raise
         raise OutOfMemory(str(err).splitlines()[0]) from None
     seconds = time.perf_counter() - start
-    return compiled, cost_of(compiled, plan.grad_accum_steps, update_flops(setup, state), seconds)
+    cost = cost_of(compiled, plan.grad_accum_steps, update_flops(setup, state), seconds)
+    # The fused program is a whole optimizer step; its trips were counted.
+    calls = plan.grad_accum_steps if setup.accumulation == "fused" else 1
+    devices = setup.batch_sharding.mesh.size
+    return compiled, dataclasses.replace(
+        cost,
+        model_flops_per_call=model_flops_per_example(config) * plan.micro_batch_size / devices,
+        hardware_flops_per_call=hardware_flops(compiled.as_text()) / calls,
+    )
 
 
 class StepPrograms:

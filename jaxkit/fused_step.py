@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxkit.models import cross_entropy
-from jaxkit.optimizer import Hyper, make_optimizer
+from jaxkit.optimizer import Hyper, float32, make_optimizer
 
 
 def fused_train_step(
@@ -56,11 +56,12 @@ def fused_train_step(
                 return cross_entropy(nnx.merge(graphdef, p)(mb["inputs"]), mb["targets"])
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
+            grads = float32(grads)
             norm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(norm)
             return jax.tree.map(jnp.add, grad_sum, grads), (loss, ~finite, norm**2)
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, float32(params))
         grad_sum, (losses, nonfinite, small_sq) = jax.lax.scan(micro, zeros, batch_KxB)
         return (
             jax.tree.map(lambda g: g / accum_steps, grad_sum),

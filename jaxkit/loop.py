@@ -131,7 +131,10 @@ def train(
     cost = programs.get(plan)[1]
     peak = None
     if jax.process_index() == 0:  # only process 0 reports
-        peak = peak_lib.device_peak(mesh.local_devices)
+        # A table peak in the matmuls' dtype (CPUs measure their own, in float32).
+        peak = peak_lib.device_peak(
+            mesh.local_devices, config.model.get("compute_dtype", "float32")
+        )
     tracker = StepTracker(config, plan, setup, cost, peak)
 
     def schedule_of(meta: dict) -> BatchSchedule:

@@ -13,31 +13,12 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit.config import ConfigError
+from jaxkit import layers
+from jaxkit.config import LM_KINDS, ConfigError
+from jaxkit.llama import LlamaLM
 from jaxkit.mesh import RULES, constrain
 
-
-def _linear(
-    d_in: int, d_out: int, kernel_role: str, bias_role: str | None, rngs: nnx.Rngs
-) -> nnx.Linear:
-    bias_axes = RULES[bias_role] if bias_role else (None,)
-    return nnx.Linear(
-        d_in,
-        d_out,
-        use_bias=bias_role is not None,
-        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), RULES[kernel_role]),
-        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), bias_axes),
-        rngs=rngs,
-    )
-
-
-def _layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(
-        d,
-        scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), RULES["vector"]),
-        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), RULES["vector"]),
-        rngs=rngs,
-    )
+_linear = layers.linear
 
 
 class MLPClassifier(nnx.Module):
@@ -72,18 +53,28 @@ class MLPClassifier(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm Transformer block: causal self-attention, then a GELU MLP."""
 
-    def __init__(self, d_model: int, num_heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        mlp_dim: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype = jnp.float32,
+    ):
         self.num_heads = num_heads
-        self.ln_attn = _layer_norm(d_model, rngs)
-        self.query = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs)
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.ln_attn = layers.layer_norm(d_model, rngs, **kw)
+        self.query = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs, **kw)
         # No key bias: it adds q·b to every logit of a query, which softmax cancels, so its
         # gradient is zero up to round-off and Adam would turn that noise into steps.
-        self.key = _linear(d_model, d_model, "in_proj", None, rngs)
-        self.value = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs)
-        self.attn_out = _linear(d_model, d_model, "out_proj", "vector", rngs)
-        self.ln_mlp = _layer_norm(d_model, rngs)
-        self.mlp_in = _linear(d_model, mlp_dim, "in_proj", "hidden_bias", rngs)
-        self.mlp_out = _linear(mlp_dim, d_model, "out_proj", "vector", rngs)
+        self.key = _linear(d_model, d_model, "in_proj", None, rngs, **kw)
+        self.value = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs, **kw)
+        self.attn_out = _linear(d_model, d_model, "out_proj", "vector", rngs, **kw)
+        self.ln_mlp = layers.layer_norm(d_model, rngs, **kw)
+        self.mlp_in = _linear(d_model, mlp_dim, "in_proj", "hidden_bias", rngs, **kw)
+        self.mlp_out = _linear(mlp_dim, d_model, "out_proj", "vector", rngs, **kw)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         B, L, D = x_BxLxD.shape
@@ -115,24 +106,34 @@ class TransformerLM(nnx.Module):
         mlp_dim: int,
         *,
         rngs: nnx.Rngs,
+        param_dtype: str = "float32",
+        compute_dtype: str = "float32",
+        remat: str = "none",
+        scan_layers: bool = False,
     ):
         if d_model % num_heads:
             raise ConfigError(f"model.d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.dtype = layers.DTYPES[compute_dtype]
+        self.remat, self.scan = remat, scan_layers
+        kw = dict(dtype=self.dtype, param_dtype=layers.DTYPES[param_dtype])
         embed_init = nnx.initializers.normal(stddev=0.02)
         self.embed = nnx.Embed(
             vocab_size,
             d_model,
             embedding_init=nnx.with_partitioning(embed_init, RULES["embed"]),
             rngs=rngs,
+            **kw,
         )
         self.pos_embed = nnx.Param(
-            nnx.with_partitioning(embed_init, RULES["pos_embed"])(rngs.params(), (seq_len, d_model))
+            nnx.with_partitioning(embed_init, RULES["pos_embed"])(
+                rngs.params(), (seq_len, d_model), kw["param_dtype"]
+            )
         )
-        self.blocks = nnx.List(
-            [Block(d_model, num_heads, mlp_dim, rngs=rngs) for _ in range(num_layers)]
+        self.blocks = layers.make_blocks(
+            lambda r: Block(d_model, num_heads, mlp_dim, rngs=r, **kw), num_layers, scan_layers, rngs
         )
-        self.ln_final = _layer_norm(d_model, rngs)
-        self.head = _linear(d_model, vocab_size, "logits", "vector", rngs)
+        self.ln_final = layers.layer_norm(d_model, rngs, **kw)
+        self.head = _linear(d_model, vocab_size, "logits", "vector", rngs, **kw)
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         L = tokens_BxL.shape[1]
@@ -140,21 +141,30 @@ class TransformerLM(nnx.Module):
         # a gather from a table sharded on d_model cannot make rows sharded by batch.
         table_VxD = constrain(self.embed.embedding[...], None, None)
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0) + self.pos_embed[:L]
-        x_BxLxD = constrain(x_BxLxD, "batch", None, None)
-        for block in self.blocks:
-            x_BxLxD = block(x_BxLxD)
+        x_BxLxD = constrain(x_BxLxD.astype(self.dtype), "batch", None, None)
+        x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan)
         return constrain(self.head(self.ln_final(x_BxLxD)), "batch", None, None)  # logits_BxLxV
 
 
 def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
     m, d = config.model, config.data
     if m.kind == "transformer":
+        options = {key: layers.lm_option(m, key) for key in layers.LM_DEFAULTS}
         return TransformerLM(
-            m.vocab_size, d.seq_len, m.d_model, m.num_layers, m.num_heads, m.mlp_dim, rngs=rngs
+            m.vocab_size,
+            d.seq_len,
+            m.d_model,
+            m.num_layers,
+            m.num_heads,
+            m.mlp_dim,
+            rngs=rngs,
+            **options,
         )
+    if m.kind == "llama":
+        return LlamaLM(m, rngs=rngs)
     if m.kind == "mlp":
         return MLPClassifier(d.num_features, m.hidden_size, m.num_layers, m.num_classes, rngs=rngs)
-    raise ConfigError(f"model.kind={m.kind!r} is not one of transformer, mlp")
+    raise ConfigError(f"model.kind={m.kind!r} is not one of transformer, llama, mlp")
 
 
 def sharded_sizes(config: ml_collections.ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
@@ -166,7 +176,7 @@ def sharded_sizes(config: ml_collections.ConfigDict) -> list[tuple[str, int, tup
     tests/test_validate.py checks this list against the partition specs of the models.
     """
     m, d = config.model, config.data
-    if m.kind == "transformer":
+    if m.kind in LM_KINDS:
         return [
             ("model.d_model", m.d_model, ("fsdp", "tensor")),
             ("model.mlp_dim", m.mlp_dim, ("tensor",)),
@@ -192,12 +202,17 @@ def check_mesh_divides(config: ml_collections.ConfigDict, mesh_shape: dict[str, 
                     f"and shards must be even. Make {key} a multiple of {mesh_shape[axis]}, "
                     f"or change mesh.{axis}"
                 )
-    heads, tensor = config.model.get("num_heads"), mesh_shape["tensor"]
-    if config.model.kind == "transformer" and heads % tensor:
+    if config.model.kind not in LM_KINDS:
+        return
+    tensor = mesh_shape["tensor"]
+    for key in ("num_heads", "num_kv_heads"):
+        heads = config.model.get(key)
+        if heads is None or not heads % tensor:
+            continue
         # Attention runs head by head: a head split over devices is gathered whole again at
         # every layer (XLA's "involuntary full rematerialization"), the work repeated.
         raise ConfigError(
-            f"model.num_heads={heads} is not divisible by mesh.tensor={tensor}: attention "
+            f"model.{key}={heads} is not divisible by mesh.tensor={tensor}: attention "
             "heads are split over the tensor axis (jaxkit/mesh.py ACTIVATIONS), and a head "
             f"cut in parts is gathered whole at every layer. Use a multiple of {tensor} "
             "heads, or a smaller mesh.tensor"

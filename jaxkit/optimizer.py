@@ -34,8 +34,22 @@ def hyper_for(schedule: BatchSchedule, plan: BatchPlan, examples: int) -> Hyper:
     )
 
 
-def _is_matrix(params: Any) -> Any:
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def decays(scan_layers: bool) -> Any:
+    """The weight-decay mask: matrices only, not norm scales or biases. Scanned blocks
+    carry a leading layer axis (params under "blocks"), which does not make a vector a
+    matrix."""
+
+    def is_matrix(path: tuple, p: Any) -> bool:
+        stacked = scan_layers and any(getattr(k, "key", None) == "blocks" for k in path)
+        return p.ndim - stacked >= 2
+
+    return lambda params: jax.tree_util.tree_map_with_path(is_matrix, params)
+
+
+def float32(tree: Any) -> Any:
+    """`tree` in float32: gradients are accumulated, and optimizer moments kept, in float32
+    whatever the params' dtype (bfloat16 sums lose the small micro-batch contributions)."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
 
 def make_optimizer(config: ml_collections.ConfigDict, hyper: Hyper) -> optax.MultiSteps:
@@ -49,15 +63,16 @@ def make_optimizer(config: ml_collections.ConfigDict, hyper: Hyper) -> optax.Mul
     (GradNormState, clip state, optimizer state).
     """
     o = config.optimizer
+    mask = decays(bool(config.model.get("scan_layers", False)))
 
     def rate(count: Any) -> Any:
         del count
         return hyper.learning_rate
 
     if o.name == "adamw":
-        inner = optax.adamw(rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=_is_matrix)
+        inner = optax.adamw(rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=mask)
     elif o.name == "sgd":
-        decay = optax.add_decayed_weights(o.weight_decay, mask=_is_matrix)
+        decay = optax.add_decayed_weights(o.weight_decay, mask=mask)
         inner = optax.chain(decay, optax.sgd(rate, momentum=o.momentum or None))
     else:
         raise ConfigError(f"optimizer.name={o.name!r} is not one of adamw, sgd")

@@ -16,8 +16,10 @@ import numpy as np
 
 from jaxkit import data as data_lib
 from jaxkit.batch_plan import BatchPlan
+from jaxkit.config import LM_KINDS
 from jaxkit.costs import StepCost
 from jaxkit.data import Position
+from jaxkit.layers import LM_DEFAULTS, lm_option
 from jaxkit.noise_scale import NoiseScale, small_batch_size
 from jaxkit.peak import Peak
 from jaxkit.train_step import Setup
@@ -204,12 +206,16 @@ class StepTracker:
         """FLOPs per optimizer step and achieved FLOP/s per device, and MFU against the peak."""
         if self.cost is None or not step_time:
             return {}
+        c = self.cost
         out = {
-            "flops_per_step": self.cost.flops_per_step,
-            "flops_per_s": self.cost.flops_per_step / step_time,
+            "flops_per_step": c.flops_per_step,
+            "flops_per_s": c.flops_per_step / step_time,
+            "model_flops_per_step": c.model_flops_per_step,
+            "hardware_flops_per_step": c.hardware_flops_per_step,
         }
         if self.peak is not None:
-            out["mfu"] = out["flops_per_s"] / self.peak.flops_per_s
+            out["mfu"] = c.model_flops_per_step / step_time / self.peak.flops_per_s
+            out["hfu"] = c.hardware_flops_per_step / step_time / self.peak.flops_per_s
         return out
 
     def close_window(self) -> None:
@@ -284,9 +290,20 @@ def summarize(
         summary["memory_bytes"] = tracker.cost.memory_bytes  # compiled, per device
     if tracker.peak is not None:
         summary.update(tracker.peak.to_json())
+    summary.update(model_facts(config))
     if isinstance(eval_source, data_lib.TokenWindows):
         summary["unigram_entropy"] = eval_source.unigram_entropy()
     return summary
+
+
+def model_facts(config: ml_collections.ConfigDict) -> dict:
+    """Param count, and for a language model its precision, remat and layer layout."""
+    from jaxkit.flops import param_count
+
+    facts: dict = {"param_count": param_count(config)}
+    if config.model.kind in LM_KINDS:
+        facts |= {key: lm_option(config.model, key) for key in LM_DEFAULTS}
+    return facts
 
 
 def format_summary(s: dict) -> str:
@@ -300,11 +317,19 @@ def format_summary(s: dict) -> str:
             f"  median step {s['median_step_time_s'] * 1e3:.1f} ms ({rate}); "
             f"{compile_s}first step {s['first_step_s']:.1f} s"
         )
-    if "flops_per_s" in s:
-        mfu = f", MFU {s['mfu']:.1%} of {s['peak_source']}" if "mfu" in s else ""
+    if "model_flops_per_step" in s:
+        use = f", MFU {s['mfu']:.1%} (HFU {s['hfu']:.1%})" if "mfu" in s else ""
         lines.append(
-            f"  {s['flops_per_step'] / 1e9:,.3g} GFLOPs per step per device (compiled), "
-            f"{s['flops_per_s'] / 1e9:,.3g} GFLOP/s per device{mfu}"
+            f"  {s['model_flops_per_step'] / 1e9:,.4g} GFLOPs per step per device (model; "
+            f"{s['hardware_flops_per_step'] / 1e9:,.4g} executed), "
+            f"{s['model_flops_per_step'] / s['median_step_time_s'] / 1e9:,.3g} GFLOP/s "
+            f"per device{use}" + (f" of {s['peak_source']}" if "mfu" in s else "")
+        )
+    if "param_dtype" in s:
+        lines.append(
+            f"  params {s['param_count']:,} in {s['param_dtype']}, matmuls in "
+            f"{s['compute_dtype']}, remat {s['remat']}, "
+            + ("scanned layers" if s["scan_layers"] else "unrolled layers")
         )
     if s["eval_loss"] is not None:
         if s.get("unigram_entropy"):  # 0 for a held-out split of one repeated byte

@@ -27,7 +27,7 @@ from jaxkit.batch_schedule import BatchSchedule, fixed_schedule
 from jaxkit.config import ConfigError
 from jaxkit.fused_step import fused_train_step
 from jaxkit.models import build_model, check_mesh_divides, cross_entropy, token_cross_entropy
-from jaxkit.optimizer import Hyper, applied_grad_norm, hyper_for, make_optimizer
+from jaxkit.optimizer import Hyper, applied_grad_norm, float32, hyper_for, make_optimizer
 
 
 @struct.dataclass
@@ -69,6 +69,11 @@ def _abstract_model(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, nn
         return nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
 
 
+def abstract_params(config: ml_collections.ConfigDict) -> dict:
+    """The model's params as shapes and dtypes (nested dicts), nothing allocated."""
+    return nnx.to_pure_dict(_abstract_model(config)[1])
+
+
 def build(
     config: ml_collections.ConfigDict,
     plan: BatchPlan,
@@ -84,7 +89,7 @@ def build(
     opt_specs = optax.tree_map_params(
         tx,
         lambda _, spec: spec,
-        jax.eval_shape(tx.init, nnx.to_pure_dict(abstract_params)),
+        jax.eval_shape(lambda p: tx.init(float32(p)), nnx.to_pure_dict(abstract_params)),
         param_specs,
         transform_non_params=lambda _: P(),
         is_leaf=lambda x: isinstance(x, P),
@@ -98,7 +103,7 @@ def build(
         with nnx.use_eager_sharding(False):
             params = nnx.to_pure_dict(nnx.state(build_model(config, nnx.Rngs(key))))
         return TrainState(
-            params=params, opt_state=tx.init(params), micro_step=jnp.zeros((), jnp.int32)
+            params=params, opt_state=tx.init(float32(params)), micro_step=jnp.zeros((), jnp.int32)
         )
 
     # Shardings are fixed here, at the jit boundary: state as RULES say, rows over the
@@ -178,6 +183,7 @@ def train_step(
         return cross_entropy(logits, batch["targets"])
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    grads = float32(grads)
     finite = jnp.isfinite(loss) & _all_finite(grads)
     grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
     updates, opt_state = make_optimizer(config, hyper).update(grads, state.opt_state, state.params)

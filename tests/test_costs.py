@@ -269,7 +269,15 @@ def test_a_run_reports_flops_and_mfu_from_its_compiled_step(tmp_path, monkeypatc
     for record in (r for r in result.records if "loss" in r):
         assert record["flops_per_step"] == expected
         assert record["flops_per_s"] == pytest.approx(expected / record["step_time_s"])
-        assert record["mfu"] == pytest.approx(record["flops_per_s"] / 1e9)
+        # MFU is on the architecture's count: 6 × params per example for the MLP.
+        m, d = config.model, config.data
+        widths = [d.num_features] + [m.hidden_size] * m.num_layers + [m.num_classes]
+        params = sum(a * b + b for a, b in zip(widths, widths[1:]))
+        model = 6 * params * result.plan.global_batch_size / jax.device_count()
+        assert record["model_flops_per_step"] == pytest.approx(model, rel=1e-12)
+        assert record["mfu"] == pytest.approx(model / record["step_time_s"] / 1e9)
+        hardware = record["hardware_flops_per_step"]
+        assert record["hfu"] == pytest.approx(hardware / record["step_time_s"] / 1e9)
     assert result.summary["peak_flops_per_s"] == 1e9
     assert result.summary["memory_bytes"] > 0
 

@@ -1,0 +1,143 @@
+"""Two FLOP counts per optimizer step per device: the model's and the hardware's.
+
+XLA's `cost_analysis()` counts a while/scan body once and counts rematerialised work, so
+its figure cannot define utilisation once layers are scanned or remat is on. So:
+
+- model FLOPs (the basis of MFU) come from the architecture, the PaLM appendix B
+  convention: per token, 6 × the params that take part in a matmul, plus attention's
+  12 × layers × d_model × seq_len (scores and weighted values, forward and backward, over
+  the whole square as the kernel computes it). The params counted are all but the
+  embedding tables read by lookup (a tied table is also the output head, so it counts);
+  the MLP classifier counts 6 × its params per example. Remat and scanning leave it alone.
+- hardware FLOPs (the basis of HFU) come from the compiled program: every matmul
+  (`dot`, `convolution`, cuBLAS gemm calls) at 2 FLOPs per multiply-add, each computation
+  counted as often as it runs, loop bodies times their trip counts. Recomputed matmuls
+  count: with remat, hardware FLOPs exceed model FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+import jax
+import ml_collections
+
+from jaxkit import hlo
+from jaxkit.config import LM_KINDS
+
+_SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?(\w+)\[([\d,]*)\]")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OPERANDS = re.compile(r"\b(?:dot|convolution|custom-call)\((%[\w.\-]+),\s*(%[\w.\-]+)")
+
+
+def matmul_params(config: ml_collections.ConfigDict, params: dict) -> int:
+    """Params that take part in a matmul: all but the tables read by lookup."""
+    lookup = {"pos_embed"}
+    m = config.model
+    if m.kind == "transformer" or (m.kind == "llama" and not m.tie_embeddings):
+        lookup.add("embed")
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return sum(
+        leaf.size
+        for path, leaf in leaves
+        if not lookup & {str(getattr(k, "key", k)) for k in path}
+    )
+
+
+def model_flops_per_example(config: ml_collections.ConfigDict) -> float:
+    """Training FLOPs (forward and backward) of one example, by the convention above."""
+    from jaxkit.train_step import abstract_params  # the model's shapes, nothing allocated
+
+    n = matmul_params(config, abstract_params(config))
+    if config.model.kind not in LM_KINDS:
+        return 6.0 * n
+    m, seq_len = config.model, config.data.seq_len
+    per_token = 6.0 * n + 12.0 * m.num_layers * m.d_model * seq_len
+    return per_token * seq_len
+
+
+def hardware_flops(hlo_text: str) -> float:
+    """Matmul FLOPs a compiled program executes (`compiled.as_text()`), loops unrolled."""
+    blocks = hlo._computations(hlo_text)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for lines in blocks.values():
+        for line in lines:
+            found = _SHAPE.match(line)
+            if found:
+                shapes[found.group(1)] = tuple(int(d) for d in found.group(3).split(",") if d)
+    runs = _runs(blocks)
+    total = 0.0
+    for name, lines in blocks.items():
+        for line in lines:
+            flops = _matmul_flops(line, shapes)
+            if flops:
+                total += runs.get(name, 0) * flops
+    return total
+
+
+def _runs(blocks: dict[str, list[str]]) -> dict[str, int]:
+    """How often each computation runs in one call of the entry computation."""
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    called: set[str] = set()
+    for name, lines in blocks.items():
+        for line in lines:
+            trips = _TRIPS.search(line)
+            body = re.search(r"\bbody=%?([\w.\-]+)", line)
+            for callee in hlo._CALLED.findall(line):
+                times = int(trips.group(1)) if trips and body and callee == body.group(1) else 1
+                calls[name].append((callee, times))
+                called.add(callee)
+            for branches in hlo._BRANCHES.findall(line):
+                for branch in (b.strip().lstrip("%") for b in branches.split(",")):
+                    if branch:  # an upper bound: one branch runs
+                        calls[name].append((branch, 1))
+                        called.add(branch)
+    runs: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, times: int) -> None:
+        runs[name] += times
+        for callee, factor in calls.get(name, ()):
+            visit(callee, times * factor)
+
+    for entry in (name for name in blocks if name not in called):
+        visit(entry, 1)
+    return runs
+
+
+def _matmul_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> float:
+    if " dot(" in line:
+        kind = "dot"
+    elif " convolution(" in line:
+        kind = "convolution"
+    elif "custom-call(" in line and "gemm" in line:  # cuBLAS / cuBLASLt on GPU
+        kind = "gemm"
+    else:
+        return 0.0
+    result = _SHAPE.match(line)
+    operands = _OPERANDS.search(line)
+    if not result or not operands:
+        return 0.0
+    out = math.prod(int(d) for d in result.group(3).split(",") if d)
+    lhs, rhs = shapes.get(operands.group(1)[1:]), shapes.get(operands.group(2)[1:])
+    if kind == "convolution":
+        labels = re.search(r"dim_labels=\w+_(\w+)->", line)
+        if rhs is None or not labels or "o" not in labels.group(1):
+            return 0.0
+        return 2.0 * out * math.prod(rhs) / rhs[labels.group(1).index("o")]
+    pattern = r"lhs_contracting_dims=\{([\d,]*)\}" if kind == "dot" else (
+        r'"lhs_contracting_dimensions":\[([^\]]*)\]'
+    )
+    contracting = re.search(pattern, line)
+    if lhs is None or not contracting:
+        return 0.0
+    dims = [int(d) for d in re.findall(r"\d+", contracting.group(1))]
+    return 2.0 * out * math.prod(lhs[d] for d in dims)
+
+
+def param_count(config: ml_collections.ConfigDict) -> int:
+    from jaxkit.train_step import abstract_params
+
+    return sum(leaf.size for leaf in jax.tree.leaves(abstract_params(config)))
+
