@@ -121,7 +121,8 @@ def _add_train(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     multi = train.add_argument_group(
-        "multi-process (automatic on Cloud TPU VMs; or JAXKIT_COORDINATOR etc.)"
+        "multi-process (automatic on Cloud TPU VMs and SLURM, Open MPI or Kubernetes "
+        "clusters; or JAXKIT_COORDINATOR etc.)"
     )
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     multi.add_argument(

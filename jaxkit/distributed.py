@@ -1,9 +1,11 @@
 """Several processes, one mesh: joining them, and checking they agree.
 
-On Cloud TPU VMs every host runs the same command and `jax.distributed.initialize()` finds
-its peers by itself. Elsewhere the coordinator, the process count and this process's id are
-given (flags or JAXKIT_COORDINATOR / JAXKIT_NUM_PROCESSES / JAXKIT_PROCESS_ID). Joining and
-liveness are bounded in time, so a peer that never comes or dies stops the others with an
+Every process runs the same command. On Cloud TPU VMs, and in the clusters that
+`jax.distributed.initialize()` recognizes by itself (a SLURM job step, Open MPI's mpirun, an
+indexed Kubernetes Job), the processes find their peers with nothing more said. Elsewhere the
+coordinator, the process count and this process's id are given (flags or JAXKIT_COORDINATOR /
+JAXKIT_NUM_PROCESSES / JAXKIT_PROCESS_ID); given, they override a detected cluster. Joining
+and liveness are bounded in time, so a peer that never comes or dies stops the others with an
 error instead of a hang.
 """
 
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import pathlib
+import warnings
 
 import jax
 import numpy as np
@@ -48,6 +51,55 @@ def on_cloud_tpu_vm(pci_devices: str = "/sys/bus/pci/devices") -> bool:
         if vendor == GOOGLE_PCI_VENDOR and model in TPU_PCI_DEVICES:
             return True
     return False
+
+
+# jax's cluster types (jax._src.clusters), as people call them.
+CLUSTER_NAMES = {
+    "SlurmCluster": "SLURM",
+    "OmpiCluster": "Open MPI",
+    "K8sCluster": "Kubernetes",
+    "GkeTpuCluster": "GKE TPU",
+    "GceTpuCluster": "Cloud TPU",
+}
+# Where the environment holds the process count: a job of one process is left alone, as
+# before. Joining would gain it nothing, take a port, and on SLURM or Open MPI jax would
+# restrict it to one GPU of its allocation (the one of its local rank).
+_PROCESS_COUNT_VARS = {"SlurmCluster": "SLURM_NTASKS", "OmpiCluster": "OMPI_COMM_WORLD_SIZE"}
+
+
+def detected_cluster() -> str | None:
+    """Names the cluster of several processes `jax.distributed.initialize()` would join, if any."""
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:  # moved in another jax: flags and TPU VMs still join
+        return None
+    # jax takes the first type present, in this order, skipping the opt-in ones: mpi4py
+    # would take any machine with mpi4py installed for a cluster.
+    found = None
+    for cluster in ClusterEnv._cluster_types:
+        if cluster.opt_in_only_method:
+            continue
+        try:
+            # A pod without the `kubernetes` package makes jax warn; for jaxkit it runs
+            # alone, as before, and should not warn at every start.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                present = cluster.is_env_present()
+        except Exception:  # a pod whose service account is not mounted: not a job to join
+            return None
+        if present:
+            found = cluster.__name__
+            break
+    if found is None:
+        return None
+    count_var = _PROCESS_COUNT_VARS.get(found)
+    if count_var is not None and os.environ.get(count_var) == "1":
+        return None
+    # Every pod sees KUBERNETES_SERVICE_HOST; jax can place only an Indexed Job's pods (by
+    # this index), and any other pod runs alone, as before.
+    if found == "K8sCluster" and "JOB_COMPLETION_INDEX" not in os.environ:
+        return None
+    return CLUSTER_NAMES.get(found, found)
 
 
 def _env_int(name: str) -> int | None:
@@ -92,6 +144,17 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
             heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
         )
     elif on_cloud_tpu_vm():
+        jax.distributed.initialize(
+            initialization_timeout=JOIN_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S
+        )
+    elif (cluster := detected_cluster()) is not None:
+        print(
+            f"{cluster} cluster detected: joining its processes as jax.distributed finds them "
+            f"(--coordinator, --num-processes and --process-id override); a peer that has not "
+            f"joined within {JOIN_TIMEOUT_S} s or falls silent for {HEARTBEAT_TIMEOUT_S} s "
+            "stops the run",
+            flush=True,
+        )
         jax.distributed.initialize(
             initialization_timeout=JOIN_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S
         )
