@@ -1,0 +1,213 @@
+"""The Llama-style family: sizes in closed form, grouped-query attention, rotary positions,
+and scanned or rematerialised blocks computing exactly what unrolled ones do."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkit import costs, llama
+from jaxkit.batch_schedule import plan_from_config
+from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.flops import param_count
+from jaxkit.models import build_model, check_mesh_divides
+from jaxkit.optimizer import decays
+from jaxkit.train_step import abstract_params
+
+TINY = [
+    "model.d_model=32",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.mlp_dim=48",
+    "model.num_layers=3",
+    "data.seq_len=16",
+    "data.max_bytes=60000",
+]
+
+
+def tiny(*overrides):
+    config = load_config("llama_tiny")
+    apply_overrides(config, TINY + list(overrides))
+    validate(config)
+    return config
+
+
+def model_of(config):
+    with nnx.use_eager_sharding(False):
+        return build_model(config, nnx.Rngs(0))
+
+
+def pure(model):
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def with_params(model, params):
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    return model
+
+
+def stacked(params, num_layers):
+    """Unrolled params ({"blocks": {0: ..., 1: ...}}) in the scanned layout."""
+    layers = [params["blocks"][i] for i in range(num_layers)]
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+
+
+def tokens(config, rows=2):
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.integers(0, config.model.vocab_size, (rows, config.data.seq_len)))
+
+
+@pytest.mark.parametrize(
+    ("name", "low", "high"), [("lm_125m", 120e6, 130e6), ("lm_350m", 340e6, 370e6), ("lm_1b", 1.0e9, 1.2e9)]
+)
+def test_each_size_has_the_params_its_name_says_in_closed_form(name, low, high):
+    config = load_config(name)
+    m = config.model
+    D, F, V, L = m.d_model, m.mlp_dim, m.vocab_size, m.num_layers
+    K = D // m.num_heads
+    # Per block: q and o are D × D, k and v D × (kv heads · K); SwiGLU's three D × F; two
+    # RMSNorm scales. Then the final norm, the table and (untied) the head.
+    block = 2 * D * D + 2 * D * m.num_kv_heads * K + 3 * D * F + 2 * D
+    expected = L * block + D + V * D * (1 if m.tie_embeddings else 2)
+    assert param_count(config) == expected == sum(llama.parameter_count(m).values())
+    assert low < expected < high
+    apply_overrides(config, [f"model.scan_layers={not m.scan_layers}"])
+    assert param_count(config) == expected  # the layer axis only regroups them
+
+
+def test_lm_1b_compiles_from_shapes_and_its_model_flops_follow_palm():
+    """Compile-only on 8 CPU devices, fsdp over all: nothing allocated or run."""
+    config = load_config("lm_1b")
+    split = costs.split_config(config, 1, 1)
+    plan = plan_from_config(split, {"data": 1, "fsdp": 8, "tensor": 1})
+    cost = costs.step_cost(split, plan, jax.devices())
+    m, seq = config.model, config.data.seq_len
+    # Per token: 6 × params in matmuls (all but the untied input table) + attention's
+    # 12 · layers · d_model · seq_len; one row of seq tokens per device.
+    matmul_params = param_count(config) - m.vocab_size * m.d_model
+    per_token = 6 * matmul_params + 12 * m.num_layers * m.d_model * seq
+    assert cost.model_flops_per_step == pytest.approx(per_token * seq, rel=1e-12)
+    # Full remat recomputes each block's forward matmuls: more executed than the model needs,
+    # at most the 4/3 of recomputing every forward matmul.
+    assert 1.1 < cost.hardware_flops_per_step / cost.model_flops_per_step < 4 / 3
+    assert 0 < cost.memory_bytes < 16 * 2**30
+
+
+def test_scanned_blocks_compute_what_unrolled_blocks_compute():
+    unrolled = model_of(tiny())
+    scanned = with_params(
+        model_of(tiny("model.scan_layers=true")), stacked(pure(unrolled), 3)
+    )
+    x = tokens(tiny())
+    np.testing.assert_allclose(scanned(x), unrolled(x), rtol=1e-5, atol=1e-6)
+
+    def loss(model):
+        return jnp.mean(model(x) ** 2)
+
+    g_unrolled = stacked(nnx.to_pure_dict(nnx.grad(loss)(unrolled)), 3)
+    g_scanned = nnx.to_pure_dict(nnx.grad(loss)(scanned))
+    for a, b in zip(jax.tree.leaves(g_scanned), jax.tree.leaves(g_unrolled), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_changes_memory_not_numbers(remat, scan):
+    """Recomputation repeats the same operations on the same inputs: equal gradients."""
+    base = model_of(tiny(f"model.scan_layers={scan}"))
+    again = with_params(model_of(tiny(f"model.scan_layers={scan}", f"model.remat={remat}")), pure(base))
+    x = tokens(tiny())
+
+    def loss(model):
+        return jnp.mean(model(x) ** 2)
+
+    for a, b in zip(
+        jax.tree.leaves(nnx.grad(loss)(again)), jax.tree.leaves(nnx.grad(loss)(base)), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_grouped_query_attention_is_attention_with_shared_key_value_heads():
+    """2 key/value heads for 4 query heads = 4 heads whose k and v kernels repeat in pairs."""
+    grouped = model_of(tiny())
+    full = model_of(tiny("model.num_kv_heads=4"))
+    params, K = pure(grouped), 32 // 4
+    for i in range(3):
+        block = params["blocks"][i]
+        for name in ("key", "value"):
+            kernel_DxGK = block[name]["kernel"]
+            heads = kernel_DxGK.reshape(32, 2, K)
+            block[name]["kernel"] = jnp.repeat(heads, 2, axis=1).reshape(32, 4 * K)
+    full = with_params(full, params)
+    x = tokens(tiny())
+    np.testing.assert_allclose(full(x), grouped(x), rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_positions_make_attention_scores_depend_on_offsets_only():
+    rng = np.random.default_rng(1)
+    q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32) for _ in range(2))
+    L = 12
+
+    def at(x, pos):  # x placed at position `pos` of a sequence of L
+        seq = jnp.zeros((1, L, 1, 8)).at[:, pos].set(x[:, 0])
+        return llama.rotary(seq, 10000.0)[0, pos, 0]
+
+    score = lambda i, j: float(at(q, i) @ at(k, j))  # noqa: E731
+    assert score(5, 2) == pytest.approx(score(9, 6), rel=1e-5)
+    assert score(5, 2) == pytest.approx(score(3, 0), rel=1e-5)
+    assert abs(score(5, 2) - score(5, 4)) > 1e-3  # a different offset scores differently
+    assert score(0, 0) == pytest.approx(float(q[0, 0, 0] @ k[0, 0, 0]), rel=1e-6)
+
+
+def test_bfloat16_compute_keeps_float32_where_it_counts():
+    config = tiny("model.compute_dtype=bfloat16", "model.scan_layers=true")
+    model = model_of(config)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(pure(model)))
+    logits = model(tokens(config))
+    assert logits.dtype == jnp.bfloat16
+    # The same params in float32 compute: bf16 has an 8-bit significand, so each matmul
+    # output carries a relative error up to 2^-8; through 3 blocks the logits stay within a
+    # few percent of their scale.
+    exact = with_params(model_of(tiny("model.scan_layers=true")), pure(model))(tokens(config))
+    scale = float(jnp.max(jnp.abs(exact)))
+    assert float(jnp.max(jnp.abs(logits.astype(jnp.float32) - exact))) < 0.05 * scale
+    stored = abstract_params(tiny("model.param_dtype=bfloat16"))
+    assert {leaf.dtype for leaf in jax.tree.leaves(stored)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_weight_decay_skips_stacked_vectors():
+    unrolled = abstract_params(tiny())
+    scanned = abstract_params(tiny("model.scan_layers=true"))
+    mask_unrolled, mask_scanned = decays(False)(unrolled), decays(True)(scanned)
+    assert mask_scanned["blocks"]["attn_norm"]["scale"] is False
+    assert mask_scanned["blocks"]["query"]["kernel"] is True
+    assert mask_scanned["blocks"] == mask_unrolled["blocks"][0]
+    assert mask_scanned["final_norm"]["scale"] is False
+    assert mask_scanned["embed"]["embedding"] is True
+    # Without the layer axis taken off, a stacked norm scale would read as a matrix.
+    assert decays(False)(scanned)["blocks"]["attn_norm"]["scale"] is True
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.num_kv_heads=3"], "model.num_heads=4 is not divisible by model.num_kv_heads=3"),
+        (["model.d_model=36", "model.num_heads=4", "model.num_kv_heads=4"], "rotary"),
+        (["model.remat=some"], "model.remat='some': must be one of none, full, dots"),
+        (["model.compute_dtype=float16"], "must be one of float32, bfloat16"),
+        (["model.scan_layers=1"], "model.scan_layers='1': expected bool"),
+    ],
+)
+def test_bad_llama_values_name_their_key(overrides, message):
+    config = load_config("llama_tiny")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        apply_overrides(config, TINY + overrides)
+        validate(config)
+
+
+def test_key_value_heads_must_split_over_the_tensor_axis():
+    with pytest.raises(ConfigError, match="model.num_kv_heads=2 is not divisible by mesh.tensor=4"):
+        check_mesh_divides(tiny("model.num_heads=8"), {"data": 2, "fsdp": 1, "tensor": 4})
