@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit.config import ConfigError
+from jaxkit import custom_model
+from jaxkit.config import ConfigError, is_custom
 from jaxkit.mesh import RULES, constrain
 
 
@@ -148,6 +149,8 @@ class TransformerLM(nnx.Module):
 
 def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
     m, d = config.model, config.data
+    if is_custom(m.kind):
+        return custom_model.build(config, rngs)
     if m.kind == "transformer":
         return TransformerLM(
             m.vocab_size, d.seq_len, m.d_model, m.num_layers, m.num_heads, m.mlp_dim, rngs=rngs
@@ -166,6 +169,8 @@ def sharded_sizes(config: ml_collections.ConfigDict) -> list[tuple[str, int, tup
     tests/test_validate.py checks this list against the partition specs of the models.
     """
     m, d = config.model, config.data
+    if is_custom(m.kind):  # sharded as it annotates, no size of the config is known
+        return []
     if m.kind == "transformer":
         return [
             ("model.d_model", m.d_model, ("fsdp", "tensor")),
