@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import math
 import warnings
 from collections.abc import Callable
 
@@ -126,3 +127,27 @@ def check(config: ml_collections.ConfigDict) -> None:
             "annotation (nnx.with_partitioning): " + ", ".join(replicated),
             stacklevel=2,
         )
+
+
+def check_shards(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    """Fails, naming the param, where an annotation names an axis the mesh lacks or splits a
+    dimension unevenly (JAX refuses uneven shards, but only once the step is traced)."""
+    kind = config.model.kind
+    params = nnx.state(_abstract(config), nnx.Param)
+    specs = nnx.to_flat_state(nnx.get_partition_spec(params))
+    for (keys, var), (_, spec) in zip(nnx.to_flat_state(params), specs, strict=True):
+        for dim, (size, names) in enumerate(zip(var.shape, spec.get_value(), strict=False)):
+            axes = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+            unknown = [axis for axis in axes if axis not in mesh_shape]
+            if unknown:
+                raise ConfigError(
+                    f"model.kind={kind!r}: param {_path(keys)} is annotated with mesh axis "
+                    f"{unknown[0]!r}, not one of {', '.join(mesh_shape)}"
+                )
+            if size % math.prod(mesh_shape[axis] for axis in axes):
+                over = " × ".join(f"mesh.{axis}={mesh_shape[axis]}" for axis in axes)
+                raise ConfigError(
+                    f"model.kind={kind!r}: param {_path(keys)} of shape {tuple(var.shape)} "
+                    f"splits dimension {dim} ({size}) over {over}, which does not divide "
+                    "it: shards must be even"
+                )

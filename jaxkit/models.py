@@ -169,7 +169,7 @@ def sharded_sizes(config: ml_collections.ConfigDict) -> list[tuple[str, int, tup
     tests/test_validate.py checks this list against the partition specs of the models.
     """
     m, d = config.model, config.data
-    if is_custom(m.kind):  # sharded as it annotates, no size of the config is known
+    if is_custom(m.kind):  # sharded as it annotates: see custom_model.check_shards
         return []
     if m.kind == "transformer":
         return [
@@ -188,6 +188,8 @@ def check_mesh_divides(config: ml_collections.ConfigDict, mesh_shape: dict[str, 
     JAX refuses uneven shards (IndivisibleError when the state is laid out, after the data
     is loaded and the step is traced), so this runs as soon as the mesh shape is known.
     """
+    if is_custom(config.model.kind):
+        custom_model.check_shards(config, mesh_shape)
     for key, size, axes in sharded_sizes(config):
         for axis in axes:
             if size % mesh_shape[axis]:
