@@ -329,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     # plan and the step records should not wait for a block to fill.
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
+    # model.kind="mymodel:make" imports ./mymodel.py. `python -m jaxkit` searches the current
+    # directory, but the `jaxkit` script's sys.path starts at its own bin/ instead: the cwd
+    # goes last, so a file there never shadows an installed module.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         code = _main(argv)
     except KeyboardInterrupt:  # Ctrl-C before training started (a run saves on it instead)

@@ -295,6 +295,21 @@ def _mesh_axis(value: object) -> str | None:
     return None
 
 
+CUSTOM_KIND = "package.module:factory"  # model.kind of a model of your own
+
+
+def is_custom(kind: object) -> bool:
+    """Whether `kind` names a model of your own, "package.module:factory"."""
+    return isinstance(kind, str) and ":" in kind
+
+
+def _model_kind(value: object) -> str | None:
+    if is_custom(value) or (isinstance(value, str) and value in MODEL_RULES):
+        return None
+    built_in = ", ".join(kind for kind in MODEL_RULES if not is_custom(kind))
+    return f"must be one of {built_in}, or {CUSTOM_KIND} for a model of your own"
+
+
 _POSITIVE = _integer(1)
 _COUNT = _integer(0)  # 0 has a documented meaning (off, or every row)
 # Optimizer step counts are int32 in optax (and the schedules read them): 2**31 overflows.
@@ -335,7 +350,7 @@ BASE_RULES: dict[str, Rule] = {
     "train.profile_steps": _text(nullable=False),
     "checkpoint.every": _COUNT,
     "checkpoint.keep": _POSITIVE,
-    "model.kind": _one_of("transformer", "llama", "mlp"),
+    "model.kind": _model_kind,
 }
 LM_KINDS = ("transformer", "llama")  # token rows in, logits per position out
 
@@ -402,6 +417,25 @@ SOURCE_RULES: dict[str, dict[str, Rule]] = {
 BYTES = 256  # the text source's token ids are bytes
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10  # scikit-learn's 8×8 digits, labels 0..9
 
+# A model of your own (jaxkit/custom_model.py) is a language model over the transformer's
+# data: the vocabulary and the rows are the data's, every other size the model's own.
+MODEL_RULES[CUSTOM_KIND] = {
+    key: rule
+    for key, rule in MODEL_RULES["transformer"].items()
+    if key.startswith("data.") or key == "model.vocab_size"
+}
+OPTIONAL_RULES[CUSTOM_KIND] = {}
+
+
+def _rules_key(kind: str) -> str:
+    return CUSTOM_KIND if is_custom(kind) else kind
+
+
+def is_lm(kind: str) -> bool:
+    """Whether `kind` is a language model ((B, L) tokens in, (B, L, V) logits out): the
+    kinds whose rules require data.seq_len, a model of your own among them."""
+    return "data.seq_len" in MODEL_RULES.get(_rules_key(kind), {})
+
 
 def _check(flat: dict[str, object], rules: dict[str, Rule], needed_by: str | None) -> None:
     """Each present key against its rule; a missing one is an error where `needed_by` says
@@ -425,11 +459,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"{old} was replaced by {RENAMED[old]}")
     _check(flat, BASE_RULES, "every job")
     kind, source = str(flat["model.kind"]), flat.get("data.source")
-    _check(flat, MODEL_RULES[kind], f"model.kind={kind!r}")
-    _check(flat, OPTIONAL_RULES[kind], None)
+    _check(flat, MODEL_RULES[_rules_key(kind)], f"model.kind={kind!r}")
+    _check(flat, OPTIONAL_RULES[_rules_key(kind)], None)
     for name, rules in SOURCE_RULES.items():
         _check(flat, rules, f"data.source={name!r}" if name == source else None)
     _check_relations(flat, kind)
+    if is_custom(kind):
+        from jaxkit import custom_model  # it imports this module
+
+        custom_model.check(config)  # imports and builds it, from shapes alone
 
 
 def _check_relations(flat: dict[str, Any], kind: str) -> None:
@@ -453,7 +491,7 @@ def _check_relations(flat: dict[str, Any], kind: str) -> None:
         parse_profile_steps(flat["train.profile_steps"], flat["train.steps"])
     if kind in LM_KINDS:
         _check_transformer(flat)
-    else:
+    elif kind == "mlp":
         _check_mlp(flat)
 
 

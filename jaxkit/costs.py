@@ -36,7 +36,7 @@ from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan, divisors
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import abstract_state
-from jaxkit.config import LM_KINDS
+from jaxkit.config import is_lm
 from jaxkit.flops import hardware_flops, model_flops_per_example
 from jaxkit.optimizer import Hyper
 from jaxkit.train_step import Setup, build
@@ -154,7 +154,7 @@ def split_config(
 
 def batch_row_spec(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], str]]:
     """Each batch entry's per-row shape and dtype, as the data sources deliver them."""
-    if config.model.kind in LM_KINDS:
+    if is_lm(config.model.kind):
         row = ((config.data.seq_len,), "int32")
         return {"inputs": row, "targets": row}
     return {"inputs": ((config.data.num_features,), "float32"), "targets": ((), "int32")}

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxkit.batch_plan import BatchPlan
-from jaxkit.config import LM_KINDS
+from jaxkit.config import is_lm
 
 Rows = dict[str, np.ndarray]  # "inputs" and "targets", one entry per row asked for
 
@@ -146,7 +146,7 @@ def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySou
     """Learnable synthetic rows, fixed by the seed: a linear teacher, or counting sequences."""
     d, n = config.data, config.data.num_examples
     rng = np.random.default_rng(12345)
-    if config.model.kind in LM_KINDS:
+    if is_lm(config.model.kind):
         vocab = config.model.vocab_size
         start = rng.integers(0, vocab, size=(n, 1))
         stride = rng.integers(1, 4, size=(n, 1))

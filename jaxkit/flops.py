@@ -8,7 +8,8 @@ its figure cannot define utilisation once layers are scanned or remat is on. So:
   12 × layers × d_model × seq_len (scores and weighted values, forward and backward, over
   the whole square as the kernel computes it). The params counted are all but the
   embedding tables read by lookup (a tied table is also the output head, so it counts);
-  the MLP classifier counts 6 × its params per example. Remat and scanning leave it alone.
+  the MLP classifier counts 6 × its params per example, a model of your own 6 × all its
+  params per token (its attention unknown). Remat and scanning leave it alone.
 - hardware FLOPs (the basis of HFU) come from the compiled program: every matmul
   (`dot`, `convolution`, cuBLAS gemm calls) at 2 FLOPs per multiply-add, each computation
   counted as often as it runs, loop bodies times their trip counts. Recomputed matmuls
@@ -25,7 +26,7 @@ import jax
 import ml_collections
 
 from jaxkit import hlo
-from jaxkit.config import LM_KINDS
+from jaxkit.config import LM_KINDS, is_lm
 
 _SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?(\w+)\[([\d,]*)\]")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -51,9 +52,11 @@ def model_flops_per_example(config: ml_collections.ConfigDict) -> float:
     from jaxkit.train_step import abstract_params  # the model's shapes, nothing allocated
 
     n = matmul_params(config, abstract_params(config))
-    if config.model.kind not in LM_KINDS:
+    if not is_lm(config.model.kind):
         return 6.0 * n
     m, seq_len = config.model, config.data.seq_len
+    if m.kind not in LM_KINDS:  # a model of your own: its architecture is not known here
+        return 6.0 * n * seq_len
     per_token = 6.0 * n + 12.0 * m.num_layers * m.d_model * seq_len
     return per_token * seq_len
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit import layers
-from jaxkit.config import LM_KINDS, ConfigError
+from jaxkit import custom_model, layers
+from jaxkit.config import LM_KINDS, ConfigError, is_custom
 from jaxkit.llama import LlamaLM
 from jaxkit.mesh import RULES, constrain
 
@@ -148,6 +148,8 @@ class TransformerLM(nnx.Module):
 
 def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
     m, d = config.model, config.data
+    if is_custom(m.kind):
+        return custom_model.build(config, rngs)
     if m.kind == "transformer":
         options = {key: layers.lm_option(m, key) for key in layers.LM_DEFAULTS}
         return TransformerLM(
@@ -164,7 +166,7 @@ def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module
         return LlamaLM(m, rngs=rngs)
     if m.kind == "mlp":
         return MLPClassifier(d.num_features, m.hidden_size, m.num_layers, m.num_classes, rngs=rngs)
-    raise ConfigError(f"model.kind={m.kind!r} is not one of transformer, llama, mlp")
+    raise ConfigError(f"model.kind={m.kind!r} is not one of transformer, llama, mlp, package.module:factory")
 
 
 def sharded_sizes(config: ml_collections.ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
@@ -176,6 +178,8 @@ def sharded_sizes(config: ml_collections.ConfigDict) -> list[tuple[str, int, tup
     tests/test_validate.py checks this list against the partition specs of the models.
     """
     m, d = config.model, config.data
+    if is_custom(m.kind):  # sharded as it annotates: see custom_model.check_shards
+        return []
     if m.kind in LM_KINDS:
         return [
             ("model.d_model", m.d_model, ("fsdp", "tensor")),
@@ -193,6 +197,8 @@ def check_mesh_divides(config: ml_collections.ConfigDict, mesh_shape: dict[str, 
     JAX refuses uneven shards (IndivisibleError when the state is laid out, after the data
     is loaded and the step is traced), so this runs as soon as the mesh shape is known.
     """
+    if is_custom(config.model.kind):
+        custom_model.check_shards(config, mesh_shape)
     for key, size, axes in sharded_sizes(config):
         for axis in axes:
             if size % mesh_shape[axis]:

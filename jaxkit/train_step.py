@@ -85,6 +85,7 @@ def build(
     schedule = schedule or fixed_schedule(config, plan)
     tx = make_optimizer(config, hyper_for(schedule, plan, 0))
     graphdef, abstract_params = _abstract_model(config)
+    # A param without a partitioning annotation gets P(): replicated (custom_model.py).
     param_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
     opt_specs = optax.tree_map_params(
         tx,

@@ -1,0 +1,153 @@
+"""A model of your own: `model.kind="package.module:factory"`.
+
+`factory(config, rngs)` returns an `nnx.Module` that maps `inputs` (B, L) int32 tokens to
+logits (B, L, V): a language model over the transformer's data (`data.source` text or
+synthetic, `data.seq_len`, `model.vocab_size`). Params annotated with
+`nnx.with_partitioning` are laid out as annotated (axes of mesh.AXES); the others are
+replicated on every device, with one warning that names them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import math
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from jaxkit.config import BYTES, CUSTOM_KIND, ConfigError
+
+
+def load_factory(kind: str) -> Callable[..., object]:
+    """The factory `kind` names ("package.module:factory"), imported from sys.path."""
+    module_name, _, attr = kind.partition(":")
+    if not (all(p.isidentifier() for p in module_name.split(".")) and attr.isidentifier()):
+        raise ConfigError(
+            f"model.kind={kind!r} is not {CUSTOM_KIND}: a module's dotted name, a colon, "
+            "and the name of a function in it (e.g. mymodel:make for make() in ./mymodel.py)"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (module_name + ".").startswith(err.name + "."):
+            raise ConfigError(
+                f"model.kind={kind!r}: no module named {err.name!r} on the Python path; run "
+                "from the directory that holds it, or add that directory to PYTHONPATH"
+            ) from None
+        # The module exists but imports one that does not: its own problem, said as such.
+        raise ConfigError(f"model.kind={kind!r}: importing {module_name} failed: {err}") from None
+    if not hasattr(module, attr):
+        names = [n for n in dir(module) if not n.startswith("_")]
+        close = difflib.get_close_matches(attr, names, n=1)
+        raise ConfigError(
+            f"model.kind={kind!r}: module {module_name} ({module.__file__}) has no attribute "
+            f"{attr!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        )
+    factory = getattr(module, attr)
+    if not callable(factory):
+        raise ConfigError(
+            f"model.kind={kind!r}: {module_name}.{attr} is not callable (of type "
+            f"{type(factory).__name__}); it must be a function called as factory(config, rngs)"
+        )
+    return factory
+
+
+def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
+    """The module the configured factory returns for `config` and `rngs`."""
+    kind = config.model.kind
+    model = load_factory(kind)(config, rngs)
+    if not isinstance(model, nnx.Module):
+        raise ConfigError(
+            f"model.kind={kind!r}: factory(config, rngs) returned a "
+            f"{type(model).__module__}.{type(model).__qualname__}, not an nnx.Module"
+        )
+    return model
+
+
+def _path(keys: tuple) -> str:
+    return ".".join(str(k) for k in keys)
+
+
+def unannotated_params(model: nnx.Module) -> list[str]:
+    """Paths of the params without partitioning metadata, which nnx lays out as P()."""
+    return [
+        _path(keys)
+        for keys, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        if not var.get_metadata().get("out_sharding")
+    ]
+
+
+def _abstract(config: ml_collections.ConfigDict) -> nnx.Module:
+    """The model with shapes for arrays: nothing allocated, no backend started."""
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: build(config, nnx.Rngs(0)))
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+    """Imports the factory, builds the model from shapes alone and checks its logits; warns
+    once of the params it leaves replicated."""
+    kind, d = config.model.kind, config.data
+    vocab = config.model.vocab_size
+    if d.source == "text" and vocab < BYTES:
+        raise ConfigError(
+            f"model.vocab_size={vocab}: data.source='text' feeds bytes, so it must be at "
+            f"least {BYTES}"
+        )
+    model = _abstract(config)
+    # The train state is every variable of the module, and the optimizer updates all of it.
+    other = nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.Param)))
+    if other:
+        raise ConfigError(
+            f"model.kind={kind!r}: the model holds variables other than nnx.Param ("
+            + ", ".join(f"{_path(keys)}: {type(var).__name__}" for keys, var in other)
+            + "), which the optimizer would update as params: keep only params (no "
+            "stored rngs, as nnx.Dropout keeps, and no batch statistics)"
+        )
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((1, d.seq_len), jnp.int32)
+    logits = jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)
+    want = (1, d.seq_len, vocab)
+    got = getattr(logits, "shape", None)
+    if got != want:
+        raise ConfigError(
+            f"model.kind={kind!r}: for inputs of shape (1, {d.seq_len}) (rows, data.seq_len) "
+            f"the model returns {f'logits of shape {got}' if got else type(logits).__name__}; "
+            f"expected {want} (rows, data.seq_len, model.vocab_size)"
+        )
+    replicated = unannotated_params(model)
+    if replicated:
+        # Once per process: the warnings module shows a message once per place it is raised.
+        warnings.warn(
+            f"model.kind={kind!r}: replicated on every device for want of a partitioning "
+            "annotation (nnx.with_partitioning): " + ", ".join(replicated),
+            stacklevel=2,
+        )
+
+
+def check_shards(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    """Fails, naming the param, where an annotation names an axis the mesh lacks or splits a
+    dimension unevenly (JAX refuses uneven shards, but only once the step is traced)."""
+    kind = config.model.kind
+    params = nnx.state(_abstract(config), nnx.Param)
+    specs = nnx.to_flat_state(nnx.get_partition_spec(params))
+    for (keys, var), (_, spec) in zip(nnx.to_flat_state(params), specs, strict=True):
+        for dim, (size, names) in enumerate(zip(var.shape, spec.get_value(), strict=False)):
+            axes = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+            unknown = [axis for axis in axes if axis not in mesh_shape]
+            if unknown:
+                raise ConfigError(
+                    f"model.kind={kind!r}: param {_path(keys)} is annotated with mesh axis "
+                    f"{unknown[0]!r}, not one of {', '.join(mesh_shape)}"
+                )
+            if size % math.prod(mesh_shape[axis] for axis in axes):
+                over = " × ".join(f"mesh.{axis}={mesh_shape[axis]}" for axis in axes)
+                raise ConfigError(
+                    f"model.kind={kind!r}: param {_path(keys)} of shape {tuple(var.shape)} "
+                    f"splits dimension {dim} ({size}) over {over}, which does not divide "
+                    "it: shards must be even"
+                )
