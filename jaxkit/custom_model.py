@@ -22,6 +22,8 @@ from flax import nnx
 
 from jaxkit.config import BYTES, CUSTOM_KIND, ConfigError
 
+_WARNED: set[str] = set()  # warnings given in this process
+
 
 def load_factory(kind: str) -> Callable[..., object]:
     """The factory `kind` names ("package.module:factory"), imported from sys.path."""
@@ -120,13 +122,15 @@ def check(config: ml_collections.ConfigDict) -> None:
             f"expected {want} (rows, data.seq_len, model.vocab_size)"
         )
     replicated = unannotated_params(model)
-    if replicated:
-        # Once per process: the warnings module shows a message once per place it is raised.
-        warnings.warn(
-            f"model.kind={kind!r}: replicated on every device for want of a partitioning "
-            "annotation (nnx.with_partitioning): " + ", ".join(replicated),
-            stacklevel=2,
-        )
+    message = (
+        f"model.kind={kind!r}: replicated on every device for want of a partitioning "
+        "annotation (nnx.with_partitioning): " + ", ".join(replicated)
+    )
+    # Once per process, though the CLI and the loop both validate: the warnings module's
+    # own once-per-place registry is reset whenever a library changes the filters.
+    if replicated and message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=2)
 
 
 def check_shards(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -22,6 +23,7 @@ from test_equivalence import (
     run_splits,
 )
 
+from jaxkit import custom_model
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import ConfigError, apply_overrides, is_lm, load_config, validate
 from jaxkit.costs import batch_row_spec
@@ -155,9 +157,13 @@ def test_splits_match_a_full_batch_reference(model_dir):
 
 
 @pytest.mark.filterwarnings("ignore:.*replicated on every device")
-def test_params_without_annotation_are_replicated_the_rest_as_annotated(model_dir):
+def test_params_without_annotation_are_replicated_the_rest_as_annotated(model_dir, monkeypatch):
+    monkeypatch.setattr(custom_model, "_WARNED", set())  # as in a fresh process
     config = lm_config(KIND, "mesh.data=1", "mesh.fsdp=2")
     with pytest.warns(UserWarning, match=r"\(nnx.with_partitioning\): scale$"):
+        validate(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second validation stays silent
         validate(config)
     mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:2])
     setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
@@ -182,7 +188,7 @@ def test_a_custom_kind_reads_the_language_model_data(model_dir):
     [
         (
             "model.kind=mymodel.make",
-            "model.kind='mymodel.make': must be one of transformer, mlp, or package.module:factory",
+            "model.kind='mymodel.make': must be one of transformer, llama, mlp, or package.module:factory",
         ),
         ("model.kind=mymodel:", "model.kind='mymodel:' is not package.module:factory"),
         ("model.kind=a:b:c", "model.kind='a:b:c' is not package.module:factory"),
