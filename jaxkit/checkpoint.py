@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxkit.config import flatten
-from jaxkit.layers import LM_DEFAULTS
 from jaxkit.data import Position
+from jaxkit.layers import LM_DEFAULTS
 from jaxkit.workdir import absolute, missing_gcs_support
 
 # checkpoints/step_N: N optimizer steps done. Older workdirs hold checkpoints/M, M micro-steps.
@@ -419,9 +419,12 @@ def resume(
                 f"{checkpointer.directory.parent} holds a run with a different config; "
                 "resuming would train a different model:\n"
                 + "\n".join(conflicts)
-                + ("\nmodel.scan_layers stacks the blocks' params on a layer axis: a "
-                   "checkpoint of one layout does not load into the other."
-                   if any("model.scan_layers" in line for line in conflicts) else "")
+                + (
+                    "\nmodel.scan_layers stacks the blocks' params on a layer axis: a "
+                    "checkpoint of one layout does not load into the other."
+                    if any("model.scan_layers" in line for line in conflicts)
+                    else ""
+                )
                 + "\nUse the saved values, or a new --workdir."
             )
         _check_length(meta["config"], position_of(meta), config, allow_longer)

@@ -360,7 +360,6 @@ def _boolean(value: object) -> str | None:
 
 
 _LM_DATA: dict[str, Rule] = {
-    "model.vocab_size": _POSITIVE,
     "data.source": _one_of("text", "synthetic"),
     "data.seq_len": _POSITIVE,
     "data.eval_fraction": _number(0, 1, open_low=True, open_high=True),
@@ -376,6 +375,7 @@ _LM_OPTIONS: dict[str, Rule] = {
 # Each model kind's keys: the model's sizes, and the data it reads.
 MODEL_RULES: dict[str, dict[str, Rule]] = {
     "transformer": {
+        "model.vocab_size": _POSITIVE,
         "model.d_model": _POSITIVE,
         "model.num_layers": _POSITIVE,
         "model.num_heads": _POSITIVE,
@@ -383,6 +383,7 @@ MODEL_RULES: dict[str, dict[str, Rule]] = {
         **_LM_DATA,
     },
     "llama": {
+        "model.vocab_size": _POSITIVE,
         "model.d_model": _POSITIVE,
         "model.num_layers": _POSITIVE,
         "model.num_heads": _POSITIVE,

@@ -223,7 +223,7 @@ def compile_setup_step(
     return compiled, dataclasses.replace(
         cost,
         model_flops_per_call=model_flops_per_example(config) * plan.micro_batch_size / devices,
-        hardware_flops_per_call=hardware_flops(compiled.as_text()) / calls,
+        hardware_flops_per_call=hardware_flops(compiled.as_text() or "") / calls,
     )
 
 

@@ -41,9 +41,7 @@ def matmul_params(config: ml_collections.ConfigDict, params: dict) -> int:
         lookup.add("embed")
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return sum(
-        leaf.size
-        for path, leaf in leaves
-        if not lookup & {str(getattr(k, "key", k)) for k in path}
+        leaf.size for path, leaf in leaves if not lookup & {str(getattr(k, "key", k)) for k in path}
     )
 
 
@@ -129,8 +127,10 @@ def _matmul_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> float:
         if rhs is None or not labels or "o" not in labels.group(1):
             return 0.0
         return 2.0 * out * math.prod(rhs) / rhs[labels.group(1).index("o")]
-    pattern = r"lhs_contracting_dims=\{([\d,]*)\}" if kind == "dot" else (
-        r'"lhs_contracting_dimensions":\[([^\]]*)\]'
+    pattern = (
+        r"lhs_contracting_dims=\{([\d,]*)\}"
+        if kind == "dot"
+        else (r'"lhs_contracting_dimensions":\[([^\]]*)\]')
     )
     contracting = re.search(pattern, line)
     if lhs is None or not contracting:
@@ -143,4 +143,3 @@ def param_count(config: ml_collections.ConfigDict) -> int:
     from jaxkit.train_step import abstract_params
 
     return sum(leaf.size for leaf in jax.tree.leaves(abstract_params(config)))
-

@@ -13,6 +13,7 @@ norm statistics, attention softmax, the logits' log-sum-exp and the loss run in 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept, the rest recomputed
 }
 # The keys every LM kind reads, with their defaults (configs written before them lack them).
-LM_DEFAULTS = {
+LM_DEFAULTS: dict[str, Any] = {
     "param_dtype": "float32",
     "compute_dtype": "float32",
     "remat": "none",
@@ -37,12 +38,12 @@ LM_DEFAULTS = {
 }
 
 
-def lm_option(model: ml_collections.ConfigDict, key: str) -> object:
+def lm_option(model: ml_collections.ConfigDict, key: str) -> Any:
     """`model.KEY`, or its default for configs that predate it."""
     return model.get(key, LM_DEFAULTS[key])
 
 
-def dtypes(model: ml_collections.ConfigDict) -> tuple[jnp.dtype, jnp.dtype]:
+def dtypes(model: ml_collections.ConfigDict) -> tuple[Any, Any]:
     """(param dtype, compute dtype) of the model section."""
     return DTYPES[lm_option(model, "param_dtype")], DTYPES[lm_option(model, "compute_dtype")]
 
@@ -54,10 +55,11 @@ def linear(
     bias_role: str | None,
     rngs: nnx.Rngs,
     *,
-    kernel_init: Callable = nnx.initializers.lecun_normal(),
-    dtype: jnp.dtype = jnp.float32,
-    param_dtype: jnp.dtype = jnp.float32,
+    kernel_init: Callable | None = None,  # default: lecun normal
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
 ) -> nnx.Linear:
+    kernel_init = kernel_init or nnx.initializers.lecun_normal()
     bias_axes = RULES[bias_role] if bias_role else (None,)
     return nnx.Linear(
         d_in,
@@ -72,7 +74,7 @@ def linear(
 
 
 def layer_norm(
-    d: int, rngs: nnx.Rngs, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32
+    d: int, rngs: nnx.Rngs, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32
 ) -> nnx.LayerNorm:
     """Statistics in float32 whatever `dtype` (flax promotes them), output in `dtype`."""
     return nnx.LayerNorm(
@@ -86,7 +88,7 @@ def layer_norm(
 
 
 def rms_norm(
-    d: int, rngs: nnx.Rngs, *, dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype = jnp.float32
+    d: int, rngs: nnx.Rngs, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32
 ) -> nnx.RMSNorm:
     """Statistics in float32 whatever `dtype` (flax promotes them), output in `dtype`."""
     return nnx.RMSNorm(
@@ -123,7 +125,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, remat: str, scan: bool) -> jax.
     if REMAT_POLICIES[remat] is not None:
         apply = nnx.remat(apply, policy=REMAT_POLICIES[remat])
     if not scan:
-        for block in blocks:
+        for block in blocks:  # type: ignore[attr-defined]  # an nnx.List
             x = apply(block, x)
         return x
 

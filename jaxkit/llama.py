@@ -8,6 +8,7 @@ K head dim, F MLP hidden width, V vocabulary.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ class LlamaBlock(nnx.Module):
         # Each block adds two outputs to the residual stream: scaled so its variance stays
         # put with depth (GPT-2's 1/sqrt(2 × layers)).
         out_init = nnx.initializers.normal(INIT_STDDEV / math.sqrt(2 * m.num_layers))
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        kw: dict[str, Any] = dict(dtype=dtype, param_dtype=param_dtype)
         self.attn_norm = layers.rms_norm(D, rngs, **kw)
         self.query = layers.linear(D, H * K, "in_proj", None, rngs, kernel_init=init, **kw)
         self.key = layers.linear(D, G * K, "in_proj", None, rngs, kernel_init=init, **kw)
@@ -94,7 +95,9 @@ class LlamaLM(nnx.Module):
         self.blocks = layers.make_blocks(
             lambda r: LlamaBlock(m, rngs=r), m.num_layers, self.scan, rngs
         )
-        self.final_norm = layers.rms_norm(m.d_model, rngs, dtype=self.dtype, param_dtype=param_dtype)
+        self.final_norm = layers.rms_norm(
+            m.d_model, rngs, dtype=self.dtype, param_dtype=param_dtype
+        )
         if not self.tie_embeddings:
             self.head = layers.linear(
                 m.d_model,

@@ -7,6 +7,7 @@ F MLP hidden width, V vocabulary, C classes, I input features.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,11 +61,11 @@ class Block(nnx.Module):
         mlp_dim: int,
         *,
         rngs: nnx.Rngs,
-        dtype: jnp.dtype = jnp.float32,
-        param_dtype: jnp.dtype = jnp.float32,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
     ):
         self.num_heads = num_heads
-        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        kw: dict[str, Any] = dict(dtype=dtype, param_dtype=param_dtype)
         self.ln_attn = layers.layer_norm(d_model, rngs, **kw)
         self.query = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs, **kw)
         # No key bias: it adds q·b to every logit of a query, which softmax cancels, so its
@@ -115,7 +116,7 @@ class TransformerLM(nnx.Module):
             raise ConfigError(f"model.d_model={d_model} is not divisible by num_heads={num_heads}")
         self.dtype = layers.DTYPES[compute_dtype]
         self.remat, self.scan = remat, scan_layers
-        kw = dict(dtype=self.dtype, param_dtype=layers.DTYPES[param_dtype])
+        kw: dict[str, Any] = dict(dtype=self.dtype, param_dtype=layers.DTYPES[param_dtype])
         embed_init = nnx.initializers.normal(stddev=0.02)
         self.embed = nnx.Embed(
             vocab_size,
@@ -130,7 +131,10 @@ class TransformerLM(nnx.Module):
             )
         )
         self.blocks = layers.make_blocks(
-            lambda r: Block(d_model, num_heads, mlp_dim, rngs=r, **kw), num_layers, scan_layers, rngs
+            lambda r: Block(d_model, num_heads, mlp_dim, rngs=r, **kw),
+            num_layers,
+            scan_layers,
+            rngs,
         )
         self.ln_final = layers.layer_norm(d_model, rngs, **kw)
         self.head = _linear(d_model, vocab_size, "logits", "vector", rngs, **kw)
@@ -151,7 +155,7 @@ def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module
     if is_custom(m.kind):
         return custom_model.build(config, rngs)
     if m.kind == "transformer":
-        options = {key: layers.lm_option(m, key) for key in layers.LM_DEFAULTS}
+        options: dict[str, Any] = {key: layers.lm_option(m, key) for key in layers.LM_DEFAULTS}
         return TransformerLM(
             m.vocab_size,
             d.seq_len,
@@ -166,7 +170,9 @@ def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module
         return LlamaLM(m, rngs=rngs)
     if m.kind == "mlp":
         return MLPClassifier(d.num_features, m.hidden_size, m.num_layers, m.num_classes, rngs=rngs)
-    raise ConfigError(f"model.kind={m.kind!r} is not one of transformer, llama, mlp, package.module:factory")
+    raise ConfigError(
+        f"model.kind={m.kind!r} is not one of transformer, llama, mlp, package.module:factory"
+    )
 
 
 def sharded_sizes(config: ml_collections.ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:

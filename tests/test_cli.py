@@ -120,7 +120,11 @@ def test_train_writes_config_plan_and_metrics(tmp_path):
 
 def test_train_reports_bad_choices_without_a_traceback(tmp_path):
     out = jaxkit("train", "mlp_digits", "model.kind=cnn", "--workdir", str(tmp_path / "r"))
-    assert out.returncode == 2 and "model.kind='cnn': must be one of transformer, mlp" in out.stderr
+    assert (
+        out.returncode == 2
+        and "model.kind='cnn': must be one of transformer, llama, mlp, or package.module:factory"
+        in out.stderr
+    )
     assert "Traceback" not in out.stderr
 
 

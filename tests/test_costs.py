@@ -1,5 +1,6 @@
 """Compiled memory and FLOPs per split, the recommendation, the batch search, and MFU."""
 
+import itertools
 import json
 
 import jax
@@ -272,7 +273,7 @@ def test_a_run_reports_flops_and_mfu_from_its_compiled_step(tmp_path, monkeypatc
         # MFU is on the architecture's count: 6 × params per example for the MLP.
         m, d = config.model, config.data
         widths = [d.num_features] + [m.hidden_size] * m.num_layers + [m.num_classes]
-        params = sum(a * b + b for a, b in zip(widths, widths[1:]))
+        params = sum(a * b + b for a, b in itertools.pairwise(widths))
         model = 6 * params * result.plan.global_batch_size / jax.device_count()
         assert record["model_flops_per_step"] == pytest.approx(model, rel=1e-12)
         assert record["mfu"] == pytest.approx(model / record["step_time_s"] / 1e9)

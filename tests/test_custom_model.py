@@ -188,7 +188,8 @@ def test_a_custom_kind_reads_the_language_model_data(model_dir):
     [
         (
             "model.kind=mymodel.make",
-            "model.kind='mymodel.make': must be one of transformer, llama, mlp, or package.module:factory",
+            "model.kind='mymodel.make': must be one of transformer, llama, mlp, or "
+            "package.module:factory",
         ),
         ("model.kind=mymodel:", "model.kind='mymodel:' is not package.module:factory"),
         ("model.kind=a:b:c", "model.kind='a:b:c' is not package.module:factory"),

@@ -61,7 +61,8 @@ def tokens(config, rows=2):
 
 
 @pytest.mark.parametrize(
-    ("name", "low", "high"), [("lm_125m", 120e6, 130e6), ("lm_350m", 340e6, 370e6), ("lm_1b", 1.0e9, 1.2e9)]
+    ("name", "low", "high"),
+    [("lm_125m", 120e6, 130e6), ("lm_350m", 340e6, 370e6), ("lm_1b", 1.0e9, 1.2e9)],
 )
 def test_each_size_has_the_params_its_name_says_in_closed_form(name, low, high):
     config = load_config(name)
@@ -98,9 +99,7 @@ def test_lm_1b_compiles_from_shapes_and_its_model_flops_follow_palm():
 
 def test_scanned_blocks_compute_what_unrolled_blocks_compute():
     unrolled = model_of(tiny())
-    scanned = with_params(
-        model_of(tiny("model.scan_layers=true")), stacked(pure(unrolled), 3)
-    )
+    scanned = with_params(model_of(tiny("model.scan_layers=true")), stacked(pure(unrolled), 3))
     x = tokens(tiny())
     np.testing.assert_allclose(scanned(x), unrolled(x), rtol=1e-5, atol=1e-6)
 
@@ -118,7 +117,9 @@ def test_scanned_blocks_compute_what_unrolled_blocks_compute():
 def test_remat_changes_memory_not_numbers(remat, scan):
     """Recomputation repeats the same operations on the same inputs: equal gradients."""
     base = model_of(tiny(f"model.scan_layers={scan}"))
-    again = with_params(model_of(tiny(f"model.scan_layers={scan}", f"model.remat={remat}")), pure(base))
+    again = with_params(
+        model_of(tiny(f"model.scan_layers={scan}", f"model.remat={remat}")), pure(base)
+    )
     x = tokens(tiny())
 
     def loss(model):
@@ -209,5 +210,6 @@ def test_bad_llama_values_name_their_key(overrides, message):
 
 
 def test_key_value_heads_must_split_over_the_tensor_axis():
-    with pytest.raises(ConfigError, match="model.num_kv_heads=2 is not divisible by mesh.tensor=4"):
+    message = r"model.num_kv_heads=2 is not divisible by mesh.tensor=4"
+    with pytest.raises(ConfigError, match=message):
         check_mesh_divides(tiny("model.num_heads=8"), {"data": 2, "fsdp": 1, "tensor": 4})

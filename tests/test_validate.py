@@ -87,7 +87,11 @@ BAD = [
     ("mlp_digits", "optimizer.momentum=1", "optimizer.momentum=1.0: must be in [0, 1)"),
     ("mlp_digits", "optimizer.grad_clip_norm=-1", "optimizer.grad_clip_norm=-1.0: must be ≥ 0"),
     ("mlp_digits", "optimizer.grad_clip_norm=nan", "optimizer.grad_clip_norm=nan"),
-    ("mlp_digits", "model.kind=cnn", "model.kind='cnn': must be one of transformer, mlp"),
+    (
+        "mlp_digits",
+        "model.kind=cnn",
+        "model.kind='cnn': must be one of transformer, llama, mlp, or package.module:factory",
+    ),
     ("mlp_digits", "model.hidden_size=0", "model.hidden_size=0: must be an integer ≥ 1"),
     ("mlp_digits", "model.num_layers=0", "model.num_layers=0"),
     ("mlp_digits", "model.num_classes=0", "model.num_classes=0"),
