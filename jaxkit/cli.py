@@ -7,6 +7,7 @@ and exit status 2, given before JAX compiles or trains anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import io
 import json
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     import ml_collections
 
     from jaxkit import costs
+    from jaxkit.batch_plan import BatchPlan
     from jaxkit.targets import Target
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
@@ -105,6 +107,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--max-per-device-batch",
         action="store_true",
         help="find the largest per-device batch under the memory budget by compile-only search",
+    )
+    plan.add_argument(
+        "--remat",
+        metavar="POLICY,...",
+        help="with --all-splits or --max-per-device-batch: the activation-recompute policies "
+        "to compare, of none, dots, full (default: the config's model.remat)",
     )
     plan.add_argument("--target", metavar="TARGET", help=TARGET_HELP)
     return plan
@@ -262,6 +270,8 @@ def _ignored_option(opts: argparse.Namespace) -> str | None:
             return "--device-counts applies only with --all-splits"
         if opts.memory_budget is not None and not (opts.all_splits or opts.max_per_device_batch):
             return "--memory-budget applies only with --all-splits or --max-per-device-batch"
+        if opts.remat is not None and not (opts.all_splits or opts.max_per_device_batch):
+            return "--remat applies only with --all-splits or --max-per-device-batch"
     if opts.command == "experiment":
         for option, users in EXPERIMENT_OPTIONS.items():
             if getattr(opts, option) is not None and opts.name not in users:
@@ -429,6 +439,7 @@ def _plan(
     from jaxkit.batch_schedule import schedule_from_config
 
     target = opts.target
+    policies = _remat_policies(opts.remat, config)
     schedule = schedule_from_config(config, shape)  # every stage must hold on this mesh
     plan = schedule.first
     ramp = {"batch_schedule": schedule.to_json()} if schedule.kind != "fixed" else {}
@@ -455,11 +466,13 @@ def _plan(
                 f"{shards * plan.per_device_batch_size} (of {plan.micro_batch_size})"
             )
     if not (opts.all_splits or opts.max_per_device_batch):
+        model = _model_json(config, plan)
         if opts.json:
             rows = {"rows_per_host": shards * plan.per_device_batch_size} if target else {}
-            print(json.dumps({**plan.to_json(), **slice_info, **rows, **ramp}))
+            print(json.dumps({**plan.to_json(), **slice_info, **rows, **ramp, "model": model}))
         else:
             print(plan.table())
+            print(_model_line(model))
             if config.train.get("examples") is not None:
                 print(
                     f"run: {schedule.total_steps} optimizer steps, {schedule.total_examples:,} "
@@ -479,7 +492,7 @@ def _plan(
                 f"{devices[0].platform} devices report no memory limit: give --memory-budget, "
                 "e.g. --memory-budget 2GiB"
             )
-        return _max_batch(config, devices, budget, opts.json, slice_info)
+        return _max_batch(config, devices, budget, opts.json, slice_info, policies)
     counts = (
         [len(devices)] if target is not None else _device_counts(opts.device_counts, len(devices))
     )
@@ -492,10 +505,12 @@ def _plan(
             + "; ".join(f"{n} devices: {why}" for n, why in dropped.items())
         )
     counts = sorted({s.devices for s in splits}, reverse=True)
+    splits = [dataclasses.replace(s, remat=r) for r in policies for s in splits]
     with tqdm.tqdm(total=len(splits), unit="compile", file=sys.stderr, disable=opts.json) as bar:
 
         def compiled(split: costs.Split) -> None:
-            bar.set_postfix_str(f"devices={split.devices} per_device={split.key[1]}")
+            remat = f" remat={split.remat}" if split.remat else ""
+            bar.set_postfix_str(f"devices={split.devices} per_device={split.key[1]}{remat}")
             bar.update(1)
 
         splits = costs.with_costs(config, splits, devices, progress=compiled)
@@ -519,7 +534,17 @@ def _plan(
         f"{kind} devices, compiled per-device memory "
         "(argument + output − alias + temp) and FLOPs per optimizer step"
     )
-    print(format_table(costs.SPLIT_HEADER, costs.splits_cost_table(splits, budget, chosen)))
+    compared = opts.remat is not None
+    print(
+        format_table(
+            costs.split_header(compared),
+            costs.splits_cost_table(splits, budget, chosen, compared),
+        )
+    )
+    print(
+        "model FLOPs: the architecture's (flops.py), the basis of MFU; hardware FLOPs: the "
+        "compiled matmuls, recomputation included (× model), the basis of HFU"
+    )
     for n, why in dropped.items():
         print(f"left out: {n} devices ({why})")
     if budget is None:
@@ -531,11 +556,13 @@ def _plan(
         )
     else:
         p = chosen.plan
+        remat = f" model.remat={chosen.remat}" if chosen.remat else ""
         print(
             f"recommended on {len(devices)} devices within {costs.format_bytes(budget)}: "
             f"per_device_batch_size={p.per_device_batch_size} "
-            f"grad_accum_steps={p.grad_accum_steps} (the largest per-device batch that fits, "
-            "then the fewest accumulation steps)"
+            f"grad_accum_steps={p.grad_accum_steps}{remat} (the most model FLOPs per second "
+            "predicted: the fewest hardware FLOPs per model FLOP, then the largest per-device "
+            "batch that fits, then the fewest accumulation steps)"
         )
     return 0
 
@@ -567,8 +594,55 @@ def _check_can_write(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {probe} is not writable")
 
 
+def _model_json(config: ml_collections.ConfigDict, plan: BatchPlan) -> dict[str, object]:
+    """The model's size, precision and layout, and its FLOPs per optimizer step (all devices)."""
+    from jaxkit.flops import model_flops_per_example
+    from jaxkit.records import model_facts
+
+    facts = {"kind": config.model.kind, **model_facts(config)}
+    facts["model_flops_per_step"] = model_flops_per_example(config) * plan.global_batch_size
+    return facts
+
+
+def _model_line(m: dict[str, object]) -> str:
+    from jaxkit import costs
+
+    line = f"model: {m['kind']}, {m['param_count']:,} params"
+    if "param_dtype" in m:
+        layout = "scanned layers" if m["scan_layers"] else "unrolled layers"
+        line += (
+            f" in {m['param_dtype']}, matmuls in {m['compute_dtype']}, remat {m['remat']}, {layout}"
+        )
+    flops = costs.format_flops(float(m["model_flops_per_step"]))  # type: ignore[arg-type]
+    return line + f"; {flops}FLOPs per optimizer step (model, all devices)"
+
+
+def _remat_policies(text: str | None, config: ml_collections.ConfigDict) -> list[str | None]:
+    """--remat's policies; without it the config's own (None for a model without remat)."""
+    from jaxkit.config import LM_KINDS
+    from jaxkit.layers import REMAT_POLICIES, lm_option
+
+    has_remat = config.model.kind in LM_KINDS
+    if text is None:
+        return [lm_option(config.model, "remat") if has_remat else None]
+    if not has_remat:
+        raise PlanError(
+            f"--remat: model.kind={config.model.kind!r} has no activation recompute policies "
+            "(the transformer and llama kinds do)"
+        )
+    policies = [part.strip() for part in text.split(",")]
+    bad = [p for p in policies if p not in REMAT_POLICIES]
+    if bad or not policies:
+        raise PlanError(
+            f"--remat {text!r}: {', '.join(map(repr, bad)) or 'nothing'} is not a policy; give "
+            f"a comma-separated list of {', '.join(REMAT_POLICIES)}"
+        )
+    return list(dict.fromkeys(policies))
+
+
 def _split_json(split: costs.Split) -> dict[str, object]:
     out: dict[str, object] = {"devices": split.devices, **split.plan.to_json()}
+    out["remat"] = split.remat
     if split.cost is not None:
         out |= split.cost.to_json()
     if split.out_of_memory is not None:  # the compiler refused it
@@ -636,43 +710,59 @@ def _max_batch(
     budget: int,
     as_json: bool,
     slice_info: dict[str, object],
+    policies: Sequence[str | None] = (None,),
 ) -> int:
+    """The largest per-device batch under `budget`, searched for each remat policy; with
+    several, the one with the most model FLOPs per second predicted is recommended."""
     from jaxkit import costs
 
-    result = costs.max_per_device_batch(
-        config,
-        devices,
-        budget,
-        progress=lambda b, memory: (
-            None
-            if as_json
-            else print(
-                f"  per_device_batch_size={b}: "
-                + (
+    searches: list[tuple[str | None, costs.BatchSearch]] = []
+    for policy in policies:
+        label = f"  remat={policy} " if len(policies) > 1 else "  "
+
+        def progress(b: int, memory: int | None, label: str = label) -> None:
+            if not as_json:
+                said = (
                     costs.format_bytes(memory)
                     if memory is not None
                     else "more than the device has (the compiler refused it)"
-                ),
-                file=sys.stderr,
-            )
-        ),
-    )
+                )
+                print(f"{label}per_device_batch_size={b}: {said}", file=sys.stderr)
+
+        found = costs.max_per_device_batch(
+            costs.with_remat(config, policy), devices, budget, progress=progress
+        )
+        searches.append((policy, found))
+
+    def as_dict(policy: str | None, result: costs.BatchSearch) -> dict[str, object]:
+        c = result.cost
+        return {
+            "remat": policy,
+            "max_per_device_batch_size": result.per_device_batch_size,
+            "memory_bytes": c.memory_bytes if c else None,
+            "model_flops_per_step": c.model_flops_per_step if c else None,
+            "hardware_flops_per_step": c.hardware_flops_per_step if c else None,
+            "compiles": result.compiles,
+            "seconds": result.seconds,
+            "tried": {str(b): m for b, m in sorted(result.tried.items())},
+            "out_of_memory": {str(b): str(e) for b, e in sorted(result.refused.items())},
+        }
+
+    fitting = [(p, r) for p, r in searches if r.cost is not None]
+    best = max(fitting, key=lambda pr: _predicted(pr[1]), default=searches[0])
     if as_json:  # a search that found nothing still says what each size needed
         print(
             json.dumps(
                 {
                     **slice_info,
                     "memory_budget_bytes": budget,
-                    "max_per_device_batch_size": result.per_device_batch_size,
-                    "memory_bytes": result.cost.memory_bytes if result.cost else None,
-                    "compiles": result.compiles,
-                    "seconds": result.seconds,
-                    "tried": {str(b): m for b, m in sorted(result.tried.items())},
-                    "out_of_memory": {str(b): str(e) for b, e in sorted(result.refused.items())},
+                    **as_dict(*best),
+                    "by_remat": [as_dict(p, r) for p, r in searches],
                 }
             )
         )
-    if result.cost is None:
+    if not fitting:
+        policy, result = searches[0]
         one = result.tried[1]
         needs = (
             costs.format_bytes(one)
@@ -682,16 +772,41 @@ def _max_batch(
         raise PlanError(
             f"even per_device_batch_size=1 needs {needs} per device on {len(devices)} "
             f"devices, more than the budget of {costs.format_bytes(budget)}: a smaller "
-            "model, a larger budget, or more devices (mesh.fsdp shards the state)"
+            "model, a larger budget, "
+            + ("model.remat=full, " if policy not in (None, "full") else "")
+            + "or more devices (mesh.fsdp shards the state)"
         )
     if as_json:
         return 0
-    print(
-        f"max per_device_batch_size={result.per_device_batch_size} on {len(devices)} devices: "
-        f"{costs.format_bytes(result.cost.memory_bytes)} of {costs.format_bytes(budget)} "
-        f"({result.compiles} compiles, {result.seconds:.1f} s, nothing executed)"
-    )
+    for policy, result in searches:
+        remat = f" with remat={policy}" if len(policies) > 1 else ""
+        if result.cost is None:
+            print(f"max per_device_batch_size{remat}: none fits")
+            continue
+        ratio = result.cost.hardware_flops_per_step / result.cost.model_flops_per_step
+        print(
+            f"max per_device_batch_size={result.per_device_batch_size}{remat} on "
+            f"{len(devices)} devices: {costs.format_bytes(result.cost.memory_bytes)} of "
+            f"{costs.format_bytes(budget)}, {ratio:.2f} hardware FLOPs per model FLOP "
+            f"({result.compiles} compiles, {result.seconds:.1f} s, nothing executed)"
+        )
+    if len(policies) > 1:
+        print(
+            f"recommended: model.remat={best[0]} "
+            f"per_device_batch_size={best[1].per_device_batch_size} (the fewest hardware "
+            "FLOPs per model FLOP, then the largest per-device batch)"
+        )
     return 0
+
+
+def _predicted(result: costs.BatchSearch) -> tuple[float, int]:
+    """The order of predicted model FLOP/s (costs.recommend's): less recompute, wider."""
+    assert result.cost is not None
+    c = result.cost
+    return (
+        -round(c.hardware_flops_per_step / c.model_flops_per_step, 2),
+        result.per_device_batch_size,
+    )
 
 
 def _default_dir(name: str) -> str:

@@ -311,11 +311,29 @@ class Split:
     plan: BatchPlan
     cost: StepCost | None = None
     out_of_memory: OutOfMemory | None = None  # the compiler refused it: too big to fit
+    remat: str | None = None  # model.remat compiled; None: the config's (or a model without)
 
     @property
-    def key(self) -> tuple[int, int, int]:
+    def key(self) -> tuple[int, int, int, str | None]:
         p = self.plan
-        return (p.data_parallel_size, p.per_device_batch_size, p.grad_accum_steps)
+        return (p.data_parallel_size, p.per_device_batch_size, p.grad_accum_steps, self.remat)
+
+    @property
+    def hardware_per_model_flop(self) -> float | None:
+        """Matmul FLOPs executed per model FLOP: 1 without recomputation, more with remat."""
+        c = self.cost
+        if c is None or not c.model_flops_per_step:
+            return None
+        return c.hardware_flops_per_step / c.model_flops_per_step
+
+
+def with_remat(config: ml_collections.ConfigDict, remat: str | None) -> ml_collections.ConfigDict:
+    """`config` with model.remat set (a copy), or `config` itself for None."""
+    if remat is None:
+        return config
+    out = ml_collections.ConfigDict(config.to_dict())
+    out.model.remat = remat
+    return out
 
 
 def enumerate_splits(
@@ -386,8 +404,9 @@ def with_costs(
     out = []
     for split in splits:
         b, k = split.plan.per_device_batch_size, split.plan.grad_accum_steps
+        split_cfg = split_config(with_remat(config, split.remat), b, k)
         try:
-            cost = step_cost(split_config(config, b, k), split.plan, devices[: split.devices])
+            cost = step_cost(split_cfg, split.plan, devices[: split.devices])
             out.append(dataclasses.replace(split, cost=cost))
         except OutOfMemory as err:
             out.append(dataclasses.replace(split, out_of_memory=err))
@@ -396,14 +415,22 @@ def with_costs(
 
 
 def recommend(splits: Sequence[Split], budget: int, devices: int) -> Split | None:
-    """The seeds' rule on `devices` devices: the largest per-device batch that fits the
-    budget, then the fewest accumulation steps."""
+    """The split on `devices` devices that fits the budget with the most model FLOPs per
+    second predicted: the fewest hardware FLOPs per model FLOP (recomputation is time
+    spent on no model FLOP), then the seeds' rule: the largest per-device batch (wider
+    matmuls run nearer the peak), then the fewest accumulation steps."""
     fitting = [
         s for s in splits if s.devices == devices and s.cost and s.cost.memory_bytes <= budget
     ]
     if not fitting:
         return None
-    return max(fitting, key=lambda s: (s.plan.per_device_batch_size, -s.plan.grad_accum_steps))
+
+    def predicted(s: Split) -> tuple[float, int, int]:
+        # Two decimals: the ratio of one remat policy hardly moves with the batch.
+        overhead = round(s.hardware_per_model_flop or 1.0, 2)
+        return (-overhead, s.plan.per_device_batch_size, -s.plan.grad_accum_steps)
+
+    return max(fitting, key=predicted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,32 +496,48 @@ def max_per_device_batch(
 
 
 def splits_cost_table(
-    splits: Sequence[Split], budget: int | None, chosen: Split | None
+    splits: Sequence[Split],
+    budget: int | None,
+    chosen: Split | None,
+    with_remat_column: bool = False,
 ) -> list[tuple[object, ...]]:
-    """Rows for the --all-splits table."""
+    """Rows for the --all-splits table: model FLOPs, and hardware FLOPs with their ratio to
+    the model's (recomputation shows as more than 1×)."""
     rows: list[tuple[object, ...]] = []
     for s in splits:
         p, c = s.plan, s.cost
         memory = format_bytes(c.memory_bytes) if c else "?"
-        flops = format_flops(c.flops_per_step) if c else "?"
+        flops = format_flops(c.model_flops_per_step) if c else "?"
         fits = "" if budget is None or c is None else ("yes" if c.memory_bytes <= budget else "no")
         if s.out_of_memory is not None:  # the compiler would not compile it
             needed = s.out_of_memory.needed_bytes
             memory = f"> {format_bytes(needed)}" if needed else "too much"
             fits = "no"
+        hardware = format_flops(c.hardware_flops_per_step) if c else "?"
+        ratio = s.hardware_per_model_flop
+        if ratio is not None:
+            hardware += f" ({ratio:.2f}×)"
         mark = "← recommended" if chosen is not None and s.key == chosen.key else ""
         row = (s.devices, p.per_device_batch_size, p.grad_accum_steps, p.global_batch_size)
-        rows.append((*row, memory, flops, fits, mark))
+        remat = () if not with_remat_column else (s.remat or "",)
+        rows.append((*row, *remat, memory, flops, hardware, fits, mark))
     return rows
 
 
-SPLIT_HEADER = (
-    "devices",
-    "per_device_batch_size",
-    "grad_accum_steps",
-    "global_batch_size",
-    "memory/device",
-    "FLOPs/step/device",
-    "fits",
-    "",
-)
+def split_header(with_remat_column: bool = False) -> tuple[str, ...]:
+    """The --all-splits table's columns (a remat column when policies are compared)."""
+    return (
+        "devices",
+        "per_device_batch_size",
+        "grad_accum_steps",
+        "global_batch_size",
+        *(("remat",) if with_remat_column else ()),
+        "memory/device",
+        "model FLOPs/step/device",
+        "hardware FLOPs/step/device",
+        "fits",
+        "",
+    )
+
+
+SPLIT_HEADER = split_header()

@@ -1,6 +1,8 @@
 """Model FLOPs (the architecture's, MFU's basis) and hardware FLOPs (the compiled matmuls,
 loop bodies times their trips: HFU's basis)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -92,3 +94,78 @@ def test_fused_accumulation_counts_its_micro_batch_loop():
     assert fused.hardware_flops_per_step == pytest.approx(
         multisteps.hardware_flops_per_step, rel=1e-3
     )
+
+
+def _split(per_device, accum, remat, hardware, memory=10):
+    plan = plan_from_config(
+        costs.split_config(load_config("llama_tiny"), per_device, accum),
+        {"data": 8, "fsdp": 1, "tensor": 1},
+    )
+    cost = costs.StepCost(
+        argument_bytes=memory,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=0,
+        flops_per_call=1.0,
+        calls_per_step=accum,
+        update_flops=0.0,
+        compile_s=0.0,
+        model_flops_per_call=100.0 / accum,
+        hardware_flops_per_call=hardware / accum,
+    )
+    return costs.Split(devices=8, plan=plan, cost=cost, remat=remat)
+
+
+def test_the_recommendation_weighs_recomputation_before_batch_size():
+    none_small = _split(2, 4, "none", hardware=100, memory=8)
+    full_large = _split(8, 1, "full", hardware=133, memory=9)
+    dots_mid = _split(4, 2, "dots", hardware=100, memory=9)
+    # The seeds' rule alone would take the largest batch (full remat, 8 rows); recomputing
+    # a third more matmuls costs more than the narrower ones.
+    assert costs.recommend([none_small, full_large], 10, devices=8) is none_small
+    assert costs.recommend([none_small, full_large, dots_mid], 10, devices=8) is dots_mid
+    # When only recomputation makes it fit, it is recommended.
+    assert costs.recommend([none_small, full_large], 8, devices=8) is none_small
+    none_big = _split(2, 4, "none", hardware=100, memory=12)
+    assert costs.recommend([none_big, full_large], 10, devices=8) is full_large
+
+
+def test_plan_compares_remat_policies_per_split(tmp_path):
+    from test_cli import jaxkit
+
+    tiny = ["model.d_model=32", "model.mlp_dim=48", "data.seq_len=32", "data.max_bytes=60000"]
+    args = [
+        "plan",
+        "llama_tiny",
+        *tiny,
+        "batch.global_batch_size=16",
+        "batch.per_device_batch_size=2",
+    ]
+    out = jaxkit(*args, "--all-splits", "--device-counts", "8", "--remat", "none,full", "--json")
+    assert out.returncode == 0, out.stderr
+    splits = json.loads(out.stdout)["splits"]
+    assert sorted((s["remat"], s["per_device_batch_size"]) for s in splits) == [
+        ("full", 1),
+        ("full", 2),
+        ("none", 1),
+        ("none", 2),
+    ]
+    by = {(s["remat"], s["per_device_batch_size"]): s for s in splits}
+    for b in (1, 2):
+        none, full = by[("none", b)], by[("full", b)]
+        assert none["model_flops_per_step"] == full["model_flops_per_step"]
+        assert none["hardware_flops_per_step"] == pytest.approx(
+            none["model_flops_per_step"], rel=0.05
+        )
+        assert full["hardware_flops_per_step"] > 1.15 * none["hardware_flops_per_step"]
+    # Without --remat, the config's own policy, in the JSON too.
+    one = jaxkit(*args, "model.remat=dots", "--all-splits", "--device-counts", "8", "--json")
+    assert {s["remat"] for s in json.loads(one.stdout)["splits"]} == {"dots"}
+    for bad, said in [
+        (["--all-splits", "--remat", "some"], "'some' is not a policy"),
+        (["--remat", "full"], "--remat applies only with --all-splits or --max-per-device-batch"),
+    ]:
+        out = jaxkit(*args, *bad)
+        assert out.returncode == 2 and said in out.stderr, out.stderr
+    out = jaxkit("plan", "mlp_digits", "--all-splits", "--remat", "full")
+    assert out.returncode == 2 and "has no activation recompute policies" in out.stderr
