@@ -801,12 +801,12 @@ def _max_batch(
 
 def _predicted(result: costs.BatchSearch) -> tuple[float, int]:
     """The order of predicted model FLOP/s (costs.recommend's): less recompute, wider."""
+    from jaxkit import costs
+
     assert result.cost is not None
     c = result.cost
-    return (
-        -round(c.hardware_flops_per_step / c.model_flops_per_step, 2),
-        result.per_device_batch_size,
-    )
+    overhead = costs.recompute_overhead(c.hardware_flops_per_step / c.model_flops_per_step)
+    return (-overhead, result.per_device_batch_size)
 
 
 def _default_dir(name: str) -> str:

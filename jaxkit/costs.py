@@ -426,11 +426,18 @@ def recommend(splits: Sequence[Split], budget: int, devices: int) -> Split | Non
         return None
 
     def predicted(s: Split) -> tuple[float, int, int]:
-        # Two decimals: the ratio of one remat policy hardly moves with the batch.
-        overhead = round(s.hardware_per_model_flop or 1.0, 2)
+        overhead = recompute_overhead(s.hardware_per_model_flop or 1.0)
         return (-overhead, s.plan.per_device_batch_size, -s.plan.grad_accum_steps)
 
     return max(fitting, key=predicted)
+
+
+def recompute_overhead(hardware_per_model_flop: float) -> float:
+    """Hardware FLOPs per model FLOP as the recommendation weighs them: to two decimals (a
+    policy's ratio hardly moves with the batch), and never below 1. Fewer executed matmul
+    FLOPs than the convention counts (no input gradient for the first layer; XLA turning
+    a matmul with a dimension of 1 into a multiply and a sum) are not a faster step."""
+    return round(max(hardware_per_model_flop, 1.0), 2)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -132,6 +132,36 @@ def test_throughput_sweeps_batch_and_accumulation(tmp_path):
     assert got == [(1, 1, 8), (2, 1, 16), (4, 2, 64), (4, 4, 128), (4, 8, 256)]
     assert all(float(r[4].replace(",", "")) > 0 and r[6].endswith("%") for r in rows)
     assert (tmp_path / "throughput.png").stat().st_size > 0
+    predicted, measured = [int(r[9]) for r in rows], [int(r[10]) for r in rows]
+    assert sorted(predicted) == sorted(measured) == [1, 2, 3, 4, 5]
+    # No remat for an MLP: the planner ranks the widest per-device batch first, then the
+    # fewest accumulation steps at one batch.
+    assert [int(r[9]) for r in rows if int(r[1]) == 1] == [5, 4]
+    assert [int(r[9]) for r in rows if int(r[0]) == 4] == [1, 2, 3]
+    # Measured: model FLOP/s = model FLOPs per step / step time; the ranks follow them.
+    rates = [float(r[4].replace(",", "")) for r in rows]  # examples/s ∝ model FLOP/s here
+    assert [rates.index(x) for x in sorted(rates, reverse=True)] == [
+        measured.index(i) for i in range(1, 6)
+    ]
+    assert "agree on" in report
+
+
+def test_throughput_ranks_remat_policies_of_a_language_model(tmp_path):
+    config = load_config("llama_tiny")
+    apply_overrides(
+        config,
+        ["model.d_model=32", "model.mlp_dim=48", "data.seq_len=16", "data.max_bytes=60000"]
+        + ["batch.per_device_batch_size=1", "batch.global_batch_size=8"],
+    )
+    options = experiments.Options(steps=2, max_per_device_batch=1)
+    report = experiments.run("throughput", config, tmp_path, options).read_text()
+    rows = {(int(r[0]), int(r[1]), r[7]): r for r in _rows(report, "per_device_batch_size")}
+    assert {u[2] for u in rows} == {"none", "dots", "full"}
+    # Full remat recomputes forward matmuls: the planner ranks it below none at the same
+    # split, and its HFU is above its MFU.
+    full, none = rows[(1, 1, "full")], rows[(1, 1, "none")]
+    assert int(full[9]) > int(none[9])
+    assert float(full[8].rstrip("%")) > float(full[6].rstrip("%"))
 
 
 def test_batch_size_runs_see_the_same_examples_with_scaled_rates(tmp_path):

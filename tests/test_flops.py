@@ -128,6 +128,10 @@ def test_the_recommendation_weighs_recomputation_before_batch_size():
     assert costs.recommend([none_small, full_large], 8, devices=8) is none_small
     none_big = _split(2, 4, "none", hardware=100, memory=12)
     assert costs.recommend([none_big, full_large], 10, devices=8) is full_large
+    # Fewer matmul FLOPs executed than counted (XLA rewrote a matmul with a dimension of 1)
+    # does not make a narrower batch faster: the wider one stays first.
+    rewritten = _split(1, 8, "none", hardware=80, memory=5)
+    assert costs.recommend([rewritten, none_small], 10, devices=8) is none_small
 
 
 def test_plan_compares_remat_policies_per_split(tmp_path):

@@ -213,3 +213,45 @@ def test_key_value_heads_must_split_over_the_tensor_axis():
     message = r"model.num_kv_heads=2 is not divisible by mesh.tensor=4"
     with pytest.raises(ConfigError, match=message):
         check_mesh_divides(tiny("model.num_heads=8"), {"data": 2, "fsdp": 1, "tensor": 4})
+
+
+def _run(config, workdir, **kw):
+    from jaxkit.loop import train
+
+    return train(config, workdir, progress=False, echo=lambda *a: None, **kw)
+
+
+def test_remat_may_change_at_a_resume_scan_layers_may_not(tmp_path):
+    from jaxkit.checkpoint import CheckpointError
+
+    steps = ["train.steps=4", "train.log_every=1", "checkpoint.every=2", "optimizer.warmup_steps=1"]
+    whole = _run(tiny(*steps), tmp_path / "whole")
+    _run(tiny(*steps), tmp_path / "cut", stop_after_micro_steps=4)  # two optimizer steps
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)model.scan_layers: False \(saved\) -> True.*"
+        "does not load into the other",
+    ):
+        _run(tiny(*steps, "model.scan_layers=true"), tmp_path / "cut")
+    # Recomputing activations trains the same model: the resumed run ends where the
+    # uninterrupted one did.
+    resumed = _run(tiny(*steps, "model.remat=full"), tmp_path / "cut")
+    assert int(resumed.state.step) == 4
+    for a, b in zip(
+        jax.tree.leaves(resumed.state.params), jax.tree.leaves(whole.state.params), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_run_saved_before_the_precision_keys_resumes_with_their_defaults():
+    from jaxkit.checkpoint import config_conflicts
+
+    current = tiny().to_dict()
+    older = tiny().to_dict()
+    for key in ("param_dtype", "compute_dtype", "remat", "scan_layers"):
+        del older["model"][key]
+    assert config_conflicts(older, current) == []
+    changed = tiny("model.compute_dtype=bfloat16").to_dict()
+    assert config_conflicts(older, changed) == [
+        "  model.compute_dtype: 'float32' (saved) -> 'bfloat16'"
+    ]

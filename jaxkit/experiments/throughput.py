@@ -1,9 +1,14 @@
-"""Speed against the per-device batch and against accumulation steps.
+"""Speed against the per-device batch, accumulation steps and (language models) remat.
 
-Two sweeps on the live devices, each point a short training run (the first step, which
-includes warm-up, is left out of the timing): the per-device batch at K = 1, and K at the
-configured per-device batch. Iteration time follows the micro-batch; accumulation
-multiplies the time per optimizer step and leaves examples/s nearly where it was.
+Sweeps on the live devices, each point a short training run (the first step, which
+includes warm-up, is left out of the timing): the per-device batch at K = 1, K at the
+configured per-device batch, and for a language model each remat policy at the configured
+per-device batch. Iteration time follows the micro-batch; accumulation multiplies the time
+per optimizer step and leaves examples/s nearly where it was; recomputation costs time.
+
+The planner's order (costs.recommend: fewest hardware FLOPs per model FLOP, then the
+largest per-device batch, then the fewest steps) is set beside the measured order of model
+FLOP/s, so a reader sees where the prediction holds on this hardware.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import ml_collections
 from matplotlib.figure import Figure
 
 from jaxkit.batch_schedule import plan_from_config
-from jaxkit.costs import split_config
+from jaxkit.config import LM_KINDS
+from jaxkit.costs import recompute_overhead, split_config, with_remat
 from jaxkit.experiments import Options, Report, drive, live_mesh, powers_of_two, train_unit
+from jaxkit.layers import REMAT_POLICIES, lm_option
 
 DEFAULT_STEPS = 6
 ACCUM_SWEEP = (1, 2, 4, 8)
+Unit = tuple[int, int, str | None]  # per-device batch, K, remat policy (None: no remat key)
 
 
 def run(
@@ -33,14 +41,18 @@ def run(
     b0 = plan_from_config(config, shape).per_device_batch_size
     top = options.max_per_device_batch or 4 * b0
     batches = powers_of_two(top)
-    units = [(b, 1) for b in batches] + [(b0, k) for k in ACCUM_SWEEP if k > 1]
+    own = lm_option(config.model, "remat") if config.model.kind in LM_KINDS else None
+    units: list[Unit] = [(b, 1, own) for b in batches]
+    units += [(b0, k, own) for k in ACCUM_SWEEP if k > 1]
+    if own is not None:  # each policy at the configured batch, K = 1
+        units += [(b0, 1, r) for r in REMAT_POLICIES if (b0, 1, r) not in units]
     steps = max(options.steps or DEFAULT_STEPS, 2)  # one warm-up step, then timed ones
-    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    rows: dict[Unit, dict[str, Any]] = {}
 
-    def do_unit(unit: tuple[int, int]) -> None:
-        b, k = unit
-        result = train_unit(split_config(config, b, k), devices, steps)
-        rows[(b, k)] = {"plan": result.plan, **result.summary}
+    def do_unit(unit: Unit) -> None:
+        b, k, remat = unit
+        result = train_unit(split_config(with_remat(config, remat), b, k), devices, steps)
+        rows[unit] = {"plan": result.plan, **result.summary}
 
     def render(report: Report) -> None:
         report.text(
@@ -59,9 +71,16 @@ def run(
             "examples/s",
             "tokens/s",
             "MFU",
+            "remat",
+            "HFU",
+            "predicted rank",
+            "measured rank",
         )
+        predicted, measured = _ranks(rows)
         table = []
-        for (b, k), r in sorted(rows.items(), key=lambda item: (item[0][1], item[0][0])):
+        ordered = sorted(rows.items(), key=lambda item: (item[0][1], item[0][2] != own, item[0]))
+        for unit, r in ordered:
+            b, k, remat = unit
             step_s = r.get("median_step_time_s")
             table.append(
                 (
@@ -72,19 +91,30 @@ def run(
                     f"{r['examples_per_s']:,.1f}" if r.get("examples_per_s") else "-",
                     f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-",
                     f"{r['mfu']:.1%}" if "mfu" in r else "-",
+                    remat or "-",
+                    f"{r['hfu']:.1%}" if "hfu" in r else "-",
+                    predicted.get(unit, "-"),
+                    measured.get(unit, "-"),
                 )
             )
         report.table(header, table)
+        agree, pairs = _agreement(predicted, measured)
+        if pairs:
+            report.text(
+                "Ranks order model FLOP/s (1 = fastest): predicted by the planner's rule, "
+                "measured as model FLOPs per step / median step time. The two orders agree on "
+                f"{agree} of {pairs} pairs of points."
+            )
         fig = Figure(figsize=(11, 4.2))
         left, right = fig.subplots(1, 2)
-        sweep_b = sorted((b, r) for (b, k), r in rows.items() if k == 1)
+        sweep_b = sorted((b, r) for (b, k, m), r in rows.items() if k == 1 and m == own)
         if sweep_b:
             left.plot([b for b, _ in sweep_b], [r["examples_per_s"] or 0 for _, r in sweep_b], "o-")
             left.set_xscale("log", base=2)
             left.set_xlabel("per-device batch size (K = 1)")
             left.set_ylabel("examples/s")
             left.grid(alpha=0.3)
-        sweep_k = sorted((k, r) for (b, k), r in rows.items() if b == b0)
+        sweep_k = sorted((k, r) for (b, k, m), r in rows.items() if b == b0 and m == own)
         if sweep_k:
             right.plot(
                 [k for k, _ in sweep_k],
@@ -99,3 +129,30 @@ def run(
 
     report = Report(out, "Throughput: examples/s, tokens/s and time per optimizer step")
     return drive(report, units, do_unit, render, "runs")
+
+
+def _ranks(rows: dict[Unit, dict[str, Any]]) -> tuple[dict[Unit, int], dict[Unit, int]]:
+    """Each point's rank (1 = most model FLOP/s) as predicted and as measured."""
+    timed = {u: r for u, r in rows.items() if r.get("median_step_time_s")}
+
+    def predicted_key(unit: Unit) -> tuple[float, int, int]:
+        r = timed[unit]
+        overhead = recompute_overhead(r["hardware_flops_per_step"] / r["model_flops_per_step"])
+        return (overhead, -unit[0], unit[1])
+
+    def measured_key(unit: Unit) -> float:
+        r = timed[unit]
+        return -r["model_flops_per_step"] / r["median_step_time_s"]
+
+    usable = [u for u in timed if timed[u].get("model_flops_per_step")]
+    predicted = {u: i + 1 for i, u in enumerate(sorted(usable, key=predicted_key))}
+    measured = {u: i + 1 for i, u in enumerate(sorted(usable, key=measured_key))}
+    return predicted, measured
+
+
+def _agreement(predicted: dict[Unit, int], measured: dict[Unit, int]) -> tuple[int, int]:
+    """Pairs of points the two orders put the same way round, and all pairs."""
+    units = sorted(predicted)
+    pairs = [(a, b) for i, a in enumerate(units) for b in units[i + 1 :]]
+    agree = sum((predicted[a] < predicted[b]) == (measured[a] < measured[b]) for a, b in pairs)
+    return agree, len(pairs)
