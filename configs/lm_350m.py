@@ -1,4 +1,4 @@
-"""Llama-style decoder at GPT-2-medium scale (355M params): bfloat16, remat, scanned layers.
+"""Llama-style decoder at GPT-2-medium scale (360M params): bfloat16, remat, scanned layers.
 
 Run:      jaxkit train lm_350m
 Hardware: one GPU or TPU chip with 32 GiB or more (one H100, one v4 or v6e chip); plan it

@@ -33,6 +33,7 @@ TRAIN_TAGS = {
     "step_time_s": "throughput/step_time_s",
     "flops_per_s": "throughput/flops_per_s",
     "mfu": "throughput/mfu",
+    "hfu": "throughput/hfu",
     "noise_scale": "noise_scale/b_simple",
     "global_batch_size": "batch/global_batch_size",
     "grad_accum_steps": "batch/grad_accum_steps",

@@ -38,8 +38,9 @@ def test_tensorboard_scalars_and_text_match_the_metrics(tmp_path):
     assert [e.step for e in loss_events] == [2, 4, 6] == [r["step"] for r in train_records]
     for event, record in zip(loss_events, train_records, strict=True):
         assert event.value == pytest.approx(record["loss"], rel=1e-6)  # stored as float32
-    mfu = [e.value for e in events.Scalars("throughput/mfu")]
-    assert mfu == pytest.approx([r["mfu"] for r in train_records], rel=1e-6)
+    for key in ("mfu", "hfu"):
+        logged = [e.value for e in events.Scalars(f"throughput/{key}")]
+        assert logged == pytest.approx([r[key] for r in train_records], rel=1e-6)
     evals = [r for r in result.records if "eval_loss" in r]
     assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
     assert events.Scalars("eval/accuracy")[-1].value == pytest.approx(evals[-1]["eval_accuracy"])
