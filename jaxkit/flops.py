@@ -62,15 +62,15 @@ def model_flops_per_example(config: ml_collections.ConfigDict) -> float:
 def hardware_flops(hlo_text: str) -> float:
     """Matmul FLOPs a compiled program executes (`compiled.as_text()`), loops unrolled."""
     blocks = hlo._computations(hlo_text)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for lines in blocks.values():
+    runs = _runs(blocks)
+    total = 0.0
+    for name, lines in blocks.items():
+        # Names are unique within a computation only (every fusion has its %param_0).
+        shapes: dict[str, tuple[int, ...]] = {}
         for line in lines:
             found = _SHAPE.match(line)
             if found:
                 shapes[found.group(1)] = tuple(int(d) for d in found.group(3).split(",") if d)
-    runs = _runs(blocks)
-    total = 0.0
-    for name, lines in blocks.items():
         for line in lines:
             flops = _matmul_flops(line, shapes)
             if flops:
@@ -84,10 +84,10 @@ def _runs(blocks: dict[str, list[str]]) -> dict[str, int]:
     called: set[str] = set()
     for name, lines in blocks.items():
         for line in lines:
-            trips = _TRIPS.search(line)
             body = re.search(r"\bbody=%?([\w.\-]+)", line)
+            trips = _trip_count(line, blocks) if body else 1
             for callee in hlo._CALLED.findall(line):
-                times = int(trips.group(1)) if trips and body and callee == body.group(1) else 1
+                times = trips if body and callee == body.group(1) else 1
                 calls[name].append((callee, times))
                 called.add(callee)
             for branches in hlo._BRANCHES.findall(line):
@@ -107,6 +107,46 @@ def _runs(blocks: dict[str, list[str]]) -> dict[str, int]:
     return runs
 
 
+def _convolution_flops(line: str, out: int, rhs: tuple[int, ...] | None) -> float:
+    """2 × outputs × input features × the window taps that meet real input. The TPU compiler
+    writes matmuls as convolutions, batch dimensions as windows over an lhs dilated by the
+    window's own size: each output then meets one real input per window, not size many."""
+    labels = re.search(r"dim_labels=\w+_(\w+)->", line)
+    if rhs is None or not labels or "i" not in labels.group(1):
+        return 0.0
+    taps = 1
+    window = re.search(r"window=\{([^}]*)\}", line)
+    if window:
+        sizes = re.search(r"size=([\dx]+)", window.group(1))
+        dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
+        size = [int(n) for n in sizes.group(1).split("x")] if sizes else []
+        dilation = [int(n) for n in dilate.group(1).split("x")] if dilate else [1] * len(size)
+        taps = math.prod(-(-k // d) for k, d in zip(size, dilation, strict=True))
+    return 2.0 * out * rhs[labels.group(1).index("i")] * taps
+
+
+def _trip_count(while_line: str, blocks: dict[str, list[str]]) -> int:
+    """A while loop's trips: XLA's `known_trip_count` (CPU, GPU), else its condition's
+    `counter < N` against a constant (the TPU compiler's loops, counting up from 0)."""
+    known = _TRIPS.search(while_line)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"\bcondition=%?([\w.\-]+)", while_line)
+    lines = blocks.get(condition.group(1), []) if condition else []
+    constants = {
+        m.group(1): int(m.group(2))
+        for m in (
+            re.match(r"\s*%([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((-?\d+)\)", x) for x in lines
+        )
+        if m
+    }
+    for line in lines:
+        found = re.search(r"ROOT .*compare\(%[\w.\-]+, %([\w.\-]+)\), direction=(LT|LE)", line)
+        if found and found.group(1) in constants:
+            return constants[found.group(1)] + (found.group(2) == "LE")
+    return 1  # unknown: counted once, as cost_analysis() does
+
+
 def _matmul_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> float:
     if " dot(" in line:
         kind = "dot"
@@ -123,10 +163,7 @@ def _matmul_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> float:
     out = math.prod(int(d) for d in result.group(3).split(",") if d)
     lhs, rhs = shapes.get(operands.group(1)[1:]), shapes.get(operands.group(2)[1:])
     if kind == "convolution":
-        labels = re.search(r"dim_labels=\w+_(\w+)->", line)
-        if rhs is None or not labels or "o" not in labels.group(1):
-            return 0.0
-        return 2.0 * out * math.prod(rhs) / rhs[labels.group(1).index("o")]
+        return _convolution_flops(line, out, rhs)
     pattern = (
         r"lhs_contracting_dims=\{([\d,]*)\}"
         if kind == "dot"
