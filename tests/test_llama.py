@@ -255,3 +255,58 @@ def test_a_run_saved_before_the_precision_keys_resumes_with_their_defaults():
     assert config_conflicts(older, changed) == [
         "  model.compute_dtype: 'float32' (saved) -> 'bfloat16'"
     ]
+
+
+def _llama_splits(monkeypatch, splits, overrides):
+    import test_equivalence
+
+    monkeypatch.setitem(test_equivalence.SMALL, "llama_tiny", TINY)
+    return test_equivalence.run_splits("llama_tiny", splits, overrides)
+
+
+def test_llama_splits_match_a_full_batch_reference_in_float32(monkeypatch):
+    """The central promise on the new family, with remat on: the tolerances of
+    test_equivalence (float32 round-off of sums in another order)."""
+    import test_equivalence as te
+
+    overrides = ["model.remat=dots"]
+    runs = _llama_splits(monkeypatch, [(4, 8, 1), (1, 8, 4)], overrides)
+    ref_losses, ref_norms, trajectory = te.reference_for("llama_tiny", overrides)
+    for split, (losses, norms, params) in runs.items():
+        np.testing.assert_allclose(losses, ref_losses, rtol=te.LOSS_RTOL, err_msg=str(split))
+        np.testing.assert_allclose(norms, ref_norms, rtol=te.GRAD_NORM_RTOL, err_msg=str(split))
+        assert te.max_param_diff(params, trajectory[-1]) < te.PARAM_ATOL, split
+
+
+# bfloat16 has an 8-bit significand: unit round-off u = 2^-9. Splits round matmul outputs
+# and partial gradient sums at other places (other batch shapes, other groupings), so:
+# - a loss (a mean of float32 log-sum-exps of bf16 logits) differs by about one rounding
+#   of its scale: rtol u (measured: 1.0e-4 over five steps, a 19x margin);
+# - a gradient sums bf16 products over rows grouped per device and per micro-step, each
+#   group rounded: its norm moves by a few u, rtol 4u (measured 1.2e-3, a 6x margin); a
+#   sum instead of a mean is off by K - 1 = 100% or more;
+# - Adam moves each param by at most about lr per step whatever the gradient's size, so
+#   a param whose gradient is round-off-sized may go either way: atol = the sum of the
+#   rates of the steps (8.4e-3 here; measured 3.4e-3).
+BF16_U = 2.0**-9
+
+
+def test_bfloat16_splits_agree_within_its_round_off(monkeypatch):
+    import optax
+
+    steps = 5  # test_equivalence's run: warmup 2, cosine to 0.1 × peak over 5 steps
+    overrides = ["model.compute_dtype=bfloat16", "model.scan_layers=true"]
+    runs = _llama_splits(monkeypatch, [(1, 32, 1), (4, 8, 1), (2, 8, 2)], overrides)
+    peak = load_config("llama_tiny").optimizer.learning_rate
+    rates = optax.warmup_cosine_decay_schedule(peak / 2, peak, 2, steps, peak * 0.1)
+    param_atol = sum(float(rates(i)) for i in range(steps))
+    ref_losses, ref_norms, ref_params = runs[(1, 32, 1)]
+    for split in [(4, 8, 1), (2, 8, 2)]:
+        losses, norms, params = runs[split]
+        np.testing.assert_allclose(losses, ref_losses, rtol=BF16_U, err_msg=str(split))
+        np.testing.assert_allclose(norms, ref_norms, rtol=4 * BF16_U, err_msg=str(split))
+        worst = max(
+            float(np.max(np.abs(a - b)))
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
+        )
+        assert worst < param_atol, (split, worst, param_atol)
