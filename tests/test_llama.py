@@ -310,3 +310,25 @@ def test_bfloat16_splits_agree_within_its_round_off(monkeypatch):
             for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)
         )
         assert worst < param_atol, (split, worst, param_atol)
+
+
+@pytest.mark.parametrize("accumulation", ["multisteps", "fused"])
+def test_bfloat16_params_keep_a_float32_accumulator_and_optimizer_state(accumulation):
+    from jaxkit.loop import train
+
+    config = tiny(
+        "model.param_dtype=bfloat16",
+        "model.compute_dtype=bfloat16",
+        f"train.accumulation={accumulation}",
+        "batch.global_batch_size=32",
+        "batch.per_device_batch_size=2",
+        "train.steps=2",
+        "train.log_every=1",
+    )
+    result = train(config, devices=jax.devices(), progress=False, echo=lambda *a: None)
+    state = result.state
+    assert {p.dtype for p in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    floats = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+    losses = [r["loss"] for r in result.records if "loss" in r]
+    assert len(losses) == 2 and all(np.isfinite(losses))
