@@ -17,12 +17,16 @@ def get_config() -> ml_collections.ConfigDict:
     c = base_config()
 
     c.model = ml_collections.ConfigDict()
-    c.model.kind = "transformer"  # transformer | mlp
+    c.model.kind = "transformer"  # transformer | llama | mlp | package.module:factory
     c.model.vocab_size = 256  # bytes
     c.model.d_model = 128  # residual width; divisible by num_heads, mesh.fsdp and mesh.tensor
     c.model.num_layers = 2
     c.model.num_heads = 4  # head width d_model / num_heads = 32
     c.model.mlp_dim = 512  # hidden width of each MLP block; divisible by mesh.tensor
+    c.model.param_dtype = "float32"  # stored params: float32 | bfloat16
+    c.model.compute_dtype = "float32"  # matmuls; CPUs gain nothing from bfloat16
+    c.model.remat = "none"  # none | dots | full: recompute activations to save memory
+    c.model.scan_layers = False  # true: one scanned block, compile time flat in depth
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "text"  # text | synthetic

@@ -522,7 +522,9 @@ def _plan(
                     **slice_info,
                     "memory_budget_bytes": budget,
                     "left_out_device_counts": {str(n): why for n, why in dropped.items()},
-                    "recommended": chosen.plan.to_json() if chosen else None,
+                    "recommended": (
+                        {**chosen.plan.to_json(), "remat": chosen.remat} if chosen else None
+                    ),
                     "splits": [_split_json(s) for s in splits],
                 }
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -62,7 +63,16 @@ def load_factory(kind: str) -> Callable[..., object]:
 def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
     """The module the configured factory returns for `config` and `rngs`."""
     kind = config.model.kind
-    model = load_factory(kind)(config, rngs)
+    factory = load_factory(kind)
+    try:
+        inspect.signature(factory).bind(config, rngs)
+    except TypeError as err:
+        raise ConfigError(
+            f"model.kind={kind!r}: the factory cannot be called as factory(config, rngs): {err}"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): the call will tell
+        pass
+    model = factory(config, rngs)
     if not isinstance(model, nnx.Module):
         raise ConfigError(
             f"model.kind={kind!r}: factory(config, rngs) returned a "

@@ -35,9 +35,11 @@ _OPERANDS = re.compile(r"\b(?:dot|convolution|custom-call)\((%[\w.\-]+),\s*(%[\w
 
 def matmul_params(config: ml_collections.ConfigDict, params: dict) -> int:
     """Params that take part in a matmul: all but the tables read by lookup."""
-    lookup = {"pos_embed"}
     m = config.model
-    if m.kind == "transformer" or (m.kind == "llama" and not m.tie_embeddings):
+    if m.kind not in LM_KINDS:  # the MLP's, or a model of your own: every param
+        return sum(leaf.size for leaf in jax.tree.leaves(params))
+    lookup = {"pos_embed"}
+    if m.kind == "transformer" or not m.tie_embeddings:
         lookup.add("embed")
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return sum(
@@ -107,12 +109,14 @@ def _runs(blocks: dict[str, list[str]]) -> dict[str, int]:
     return runs
 
 
-def _convolution_flops(line: str, out: int, rhs: tuple[int, ...] | None) -> float:
+def _convolution_flops(
+    line: str, out: int, lhs: tuple[int, ...] | None, rhs: tuple[int, ...] | None
+) -> float:
     """2 × outputs × input features × the window taps that meet real input. The TPU compiler
     writes matmuls as convolutions, batch dimensions as windows over an lhs dilated by the
     window's own size: each output then meets one real input per window, not size many."""
-    labels = re.search(r"dim_labels=\w+_(\w+)->", line)
-    if rhs is None or not labels or "i" not in labels.group(1):
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->", line)
+    if rhs is None or lhs is None or not labels or "i" not in labels.group(2):
         return 0.0
     taps = 1
     window = re.search(r"window=\{([^}]*)\}", line)
@@ -121,8 +125,11 @@ def _convolution_flops(line: str, out: int, rhs: tuple[int, ...] | None) -> floa
         dilate = re.search(r"lhs_dilate=([\dx]+)", window.group(1))
         size = [int(n) for n in sizes.group(1).split("x")] if sizes else []
         dilation = [int(n) for n in dilate.group(1).split("x")] if dilate else [1] * len(size)
-        taps = math.prod(-(-k // d) for k, d in zip(size, dilation, strict=True))
-    return 2.0 * out * rhs[labels.group(1).index("i")] * taps
+        # Spatial dimension k of the input is labelled str(k); a window wider than it
+        # (padding) still meets at most its size of real elements.
+        inputs = [lhs[labels.group(1).index(str(k))] for k in range(len(size))]
+        taps = math.prod(min(-(-k // d), n) for k, d, n in zip(size, dilation, inputs, strict=True))
+    return 2.0 * out * rhs[labels.group(2).index("i")] * taps
 
 
 def _trip_count(while_line: str, blocks: dict[str, list[str]]) -> int:
@@ -163,7 +170,7 @@ def _matmul_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> float:
     out = math.prod(int(d) for d in result.group(3).split(",") if d)
     lhs, rhs = shapes.get(operands.group(1)[1:]), shapes.get(operands.group(2)[1:])
     if kind == "convolution":
-        return _convolution_flops(line, out, rhs)
+        return _convolution_flops(line, out, lhs, rhs)
     pattern = (
         r"lhs_contracting_dims=\{([\d,]*)\}"
         if kind == "dot"

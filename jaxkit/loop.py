@@ -29,9 +29,10 @@ from jaxkit import peak as peak_lib
 from jaxkit.batch_plan import BatchPlan, BatchPlanError
 from jaxkit.batch_schedule import AUTO, AutoRamp, BatchSchedule, schedule_from_config
 from jaxkit.checkpoint import Checkpointer, Restored, position_of, resume
-from jaxkit.config import ConfigError, config_to_json, parse_profile_steps, validate
+from jaxkit.config import LM_KINDS, ConfigError, config_to_json, parse_profile_steps, validate
 from jaxkit.costs import StepPrograms
 from jaxkit.distributed import check_agreement
+from jaxkit.layers import LM_DEFAULTS, lm_option
 from jaxkit.metrics import RunDir, truncate_metrics
 from jaxkit.records import (
     StepInfo,
@@ -483,6 +484,18 @@ def resume_events(
                 "from_schedule": before.to_json(),
                 "to_schedule": schedule.to_json(),
                 **rates,
+            }
+        )
+    saved_remat = meta["config"].get("model", {}).get("remat", LM_DEFAULTS["remat"])
+    if config.model.kind in LM_KINDS and saved_remat != lm_option(config.model, "remat"):
+        # Same model, other recomputation: hardware FLOPs (and HFU, memory) move from here.
+        events.append(
+            {
+                "event": "remat_change",
+                "step": at.step,
+                "examples_seen": at.examples,
+                "from_remat": saved_remat,
+                "to_remat": lm_option(config.model, "remat"),
             }
         )
     return events

@@ -83,6 +83,10 @@ def with_dropout(config, rngs):
 
 
 NOT_CALLABLE = 3
+
+
+def one_argument(config):
+    return make(config, None)
 """
 
 
@@ -201,6 +205,10 @@ def test_a_custom_kind_reads_the_language_model_data(model_dir):
         ("model.kind=mymodel:mak", "has no attribute 'mak' (did you mean 'make'?)"),
         ("model.kind=mymodel:NOT_CALLABLE", "mymodel.NOT_CALLABLE is not callable (of type int)"),
         ("model.kind=mymodel:returns_dict", "returned a builtins.dict, not an nnx.Module"),
+        (
+            "model.kind=mymodel:one_argument",
+            "cannot be called as factory(config, rngs): too many positional arguments",
+        ),
         (
             "model.kind=mymodel:wrong_vocab",
             "returns logits of shape (1, 16, 255); expected (1, 16, 256)",

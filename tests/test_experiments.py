@@ -150,8 +150,14 @@ def test_throughput_ranks_remat_policies_of_a_language_model(tmp_path):
     config = load_config("llama_tiny")
     apply_overrides(
         config,
-        ["model.d_model=32", "model.mlp_dim=48", "data.seq_len=16", "data.max_bytes=60000"]
-        + ["batch.per_device_batch_size=1", "batch.global_batch_size=8"],
+        [
+            "model.d_model=32",
+            "model.mlp_dim=48",
+            "data.seq_len=16",
+            "data.max_bytes=60000",
+            "batch.per_device_batch_size=1",
+            "batch.global_batch_size=8",
+        ],
     )
     options = experiments.Options(steps=2, max_per_device_batch=1)
     report = experiments.run("throughput", config, tmp_path, options).read_text()

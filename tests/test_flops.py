@@ -202,3 +202,18 @@ def test_tpu_programs_count_their_loops_and_convolutions():
     plan = plan_from_config(split, {"data": 8, "fsdp": 1, "tensor": 1})
     cost = costs.step_cost(split, plan, devices)
     assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.05)
+    # Grouped-query attention, scanned: the projections become convolutions whose padded
+    # window is wider than its input; only the taps on real input count.
+    counts = []
+    for scan in ("false", "true"):
+        llama = load_config("llama_tiny")
+        apply_overrides(llama, [f"model.scan_layers={scan}"])
+        split = costs.split_config(llama, 8, 1)
+        cost = costs.step_cost(split, plan_from_config(split, plan_shape(plan)), devices)
+        counts.append(cost.hardware_flops_per_step)
+        assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.01)
+    assert counts[0] == pytest.approx(counts[1], rel=1e-6)
+
+
+def plan_shape(plan):
+    return {"data": plan.data_parallel_size, "fsdp": 1, "tensor": 1}

@@ -1,6 +1,8 @@
 """The Llama-style family: sizes in closed form, grouped-query attention, rotary positions,
 and scanned or rematerialised blocks computing exactly what unrolled ones do."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,6 +239,17 @@ def test_remat_may_change_at_a_resume_scan_layers_may_not(tmp_path):
     # uninterrupted one did.
     resumed = _run(tiny(*steps, "model.remat=full"), tmp_path / "cut")
     assert int(resumed.state.step) == 4
+    records = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").open()]
+    changes = [r for r in records if r.get("event") == "remat_change"]
+    assert changes == [
+        {
+            "event": "remat_change",
+            "step": 2,
+            "examples_seen": 2 * 64,  # two steps of llama_tiny's global batch
+            "from_remat": "none",
+            "to_remat": "full",
+        }
+    ]
     for a, b in zip(
         jax.tree.leaves(resumed.state.params), jax.tree.leaves(whole.state.params), strict=True
     ):

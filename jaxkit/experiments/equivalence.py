@@ -122,11 +122,14 @@ def run(
             ),
             rows,
         )
+        compute = config.model.get("compute_dtype", "float32")
+        eps = F32_EPS if compute == "float32" else 2.0**-7  # bfloat16: 8 significant bits
         report.text(
             f"**Largest difference between splits:** relative loss {worst_loss:.2e} and "
-            f"parameter {worst_param:.2e} after {steps} steps (float32 epsilon is "
-            f"{F32_EPS:.1e}). The splits reduce the same sums in different orders, so they "
-            "agree to round-off, not bit for bit; memory and step time are what differ."
+            f"parameter {worst_param:.2e} after {steps} steps (matmuls in {compute}, whose "
+            f"epsilon is {eps:.1e}). The splits reduce the same sums in different orders, "
+            "so they agree to round-off, not bit for bit; memory and step time are what "
+            "differ."
         )
         fig, ax = new_figure()
         styles = ["-", "--", ":", "-."]
