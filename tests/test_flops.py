@@ -145,9 +145,23 @@ def test_plan_compares_remat_policies_per_split(tmp_path):
         "batch.global_batch_size=16",
         "batch.per_device_batch_size=2",
     ]
-    out = jaxkit(*args, "--all-splits", "--device-counts", "8", "--remat", "none,full", "--json")
+    out = jaxkit(
+        *args,
+        "--all-splits",
+        "--device-counts",
+        "8",
+        "--remat",
+        "full,none",
+        "--json",
+        "--memory-budget",
+        "1GiB",
+    )
     assert out.returncode == 0, out.stderr
-    splits = json.loads(out.stdout)["splits"]
+    result = json.loads(out.stdout)
+    # Everything fits: the widest split without recomputation, though full was listed first.
+    assert result["recommended"]["remat"] == "none"
+    assert result["recommended"]["per_device_batch_size"] == 2
+    splits = result["splits"]
     assert sorted((s["remat"], s["per_device_batch_size"]) for s in splits) == [
         ("full", 1),
         ("full", 2),
