@@ -208,9 +208,11 @@ def target_devices(target: Target) -> Sequence[jax.Device]:
         "TPU_WORKER_HOSTNAMES": "localhost",
         "TPU_WORKER_ID": "0",
     }
-    for key, value in quiet.items():
-        os.environ.setdefault(key, value)
-
+    # Only while libtpu starts: left in os.environ, they would tell this process (and every
+    # process it starts, e.g. `jaxkit train` from a notebook) that it runs on a TPU VM, and
+    # distributed.initialize would try to join a pod.
+    added = {key: value for key, value in quiet.items() if key not in os.environ}
+    os.environ.update(added)
     options = (
         {"chip_config_name": target.generation.chip_config} if target.generation.chip_config else {}
     )
@@ -227,6 +229,9 @@ def target_devices(target: Target) -> Sequence[jax.Device]:
             f"--target {target.name}: JAX cannot describe topology {target.topology}: "
             f"{str(err).splitlines()[0]}"
         ) from None
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def batch_shards_per_host(devices: Sequence[jax.Device], shape: dict[str, int]) -> int:

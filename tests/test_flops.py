@@ -2,6 +2,7 @@
 loop bodies times their trips: HFU's basis)."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -195,9 +196,12 @@ def test_tpu_programs_count_their_loops_and_convolutions():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jaxkit.distributed import on_cloud_tpu_vm
     from jaxkit.targets import parse_target, target_devices
 
     devices = target_devices(parse_target("v5litepod-8"))
+    # Describing a slice does not make this process (or the ones it starts) a TPU VM.
+    assert not on_cloud_tpu_vm() and "TPU_ACCELERATOR_TYPE" not in os.environ
     mesh = jax.make_mesh((8,), ("d",), devices=devices)
 
     def f(w_NxDxD, x_BxD):
