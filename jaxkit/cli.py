@@ -801,14 +801,14 @@ def _max_batch(
     return 0
 
 
-def _predicted(result: costs.BatchSearch) -> tuple[float, int]:
+def _predicted(result: costs.BatchSearch) -> tuple[float, int, int]:
     """The order of predicted model FLOP/s (costs.recommend's): less recompute, wider."""
     from jaxkit import costs
 
     assert result.cost is not None
     c = result.cost
-    overhead = costs.recompute_overhead(c.hardware_flops_per_step / c.model_flops_per_step)
-    return (-overhead, result.per_device_batch_size)
+    ratio = c.hardware_flops_per_step / c.model_flops_per_step
+    return costs.predicted_speed(ratio, result.per_device_batch_size, 1)
 
 
 def _default_dir(name: str) -> str:

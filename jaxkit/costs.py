@@ -425,19 +425,28 @@ def recommend(splits: Sequence[Split], budget: int, devices: int) -> Split | Non
     if not fitting:
         return None
 
-    def predicted(s: Split) -> tuple[float, int, int]:
-        overhead = recompute_overhead(s.hardware_per_model_flop or 1.0)
-        return (-overhead, s.plan.per_device_batch_size, -s.plan.grad_accum_steps)
+    return max(
+        fitting,
+        key=lambda s: predicted_speed(
+            s.hardware_per_model_flop or 1.0,
+            s.plan.per_device_batch_size,
+            s.plan.grad_accum_steps,
+        ),
+    )
 
-    return max(fitting, key=predicted)
 
+def predicted_speed(
+    hardware_per_model_flop: float, per_device_batch_size: int, grad_accum_steps: int
+) -> tuple[float, int, int]:
+    """A key that orders splits by predicted model FLOP/s (larger = faster): the fewest
+    hardware FLOPs per model FLOP, then the widest per-device batch, then the fewest K.
 
-def recompute_overhead(hardware_per_model_flop: float) -> float:
-    """Hardware FLOPs per model FLOP as the recommendation weighs them: to two decimals (a
-    policy's ratio hardly moves with the batch), and never below 1. Fewer executed matmul
-    FLOPs than the convention counts (no input gradient for the first layer; XLA turning
-    a matmul with a dimension of 1 into a multiply and a sum) are not a faster step."""
-    return round(max(hardware_per_model_flop, 1.0), 2)
+    The ratio is taken to two decimals (a policy's hardly moves with the batch) and never
+    below 1: fewer executed matmul FLOPs than the convention counts (no input gradient for
+    the first layer; XLA turning a matmul with a dimension of 1 into a multiply and a sum)
+    are not a faster step."""
+    overhead = round(max(hardware_per_model_flop, 1.0), 2)
+    return (-overhead, per_device_batch_size, -grad_accum_steps)
 
 
 @dataclasses.dataclass(frozen=True)

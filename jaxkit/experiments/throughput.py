@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import LM_KINDS
-from jaxkit.costs import recompute_overhead, split_config, with_remat
+from jaxkit.costs import predicted_speed, split_config, with_remat
 from jaxkit.experiments import Options, Report, drive, live_mesh, powers_of_two, train_unit
 from jaxkit.layers import REMAT_POLICIES, lm_option
 
@@ -137,10 +137,11 @@ def _ranks(rows: dict[Unit, dict[str, Any]]) -> tuple[dict[Unit, int], dict[Unit
     """Each point's rank (1 = most model FLOP/s) as predicted and as measured."""
     timed = {u: r for u, r in rows.items() if r.get("median_step_time_s")}
 
-    def predicted_key(unit: Unit) -> tuple[float, int, int]:
+    def predicted_key(unit: Unit) -> tuple[float, int, int]:  # ascending: fastest first
         r = timed[unit]
-        overhead = recompute_overhead(r["hardware_flops_per_step"] / r["model_flops_per_step"])
-        return (overhead, -unit[0], unit[1])
+        ratio = r["hardware_flops_per_step"] / r["model_flops_per_step"]
+        overhead, batch, fewer_steps = predicted_speed(ratio, unit[0], unit[1])
+        return (-overhead, -batch, -fewer_steps)
 
     def measured_key(unit: Unit) -> float:
         r = timed[unit]
