@@ -38,13 +38,12 @@ def matmul_params(config: ml_collections.ConfigDict, params: dict) -> int:
     m = config.model
     if m.kind not in LM_KINDS:  # the MLP's, or a model of your own: every param
         return sum(leaf.size for leaf in jax.tree.leaves(params))
-    lookup = {"pos_embed"}
-    if m.kind == "transformer" or not m.tie_embeddings:
-        lookup.add("embed")
+    # Kernels, and a tied table (it is the head); not biases or norm scales (no matmul),
+    # nor tables read by lookup.
+    tied = m.kind == "llama" and m.tie_embeddings
+    weights = {"kernel", "embedding"} if tied else {"kernel"}
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return sum(
-        leaf.size for path, leaf in leaves if not lookup & {str(getattr(k, "key", k)) for k in path}
-    )
+    return sum(leaf.size for path, leaf in leaves if str(getattr(path[-1], "key", "")) in weights)
 
 
 def model_flops_per_example(config: ml_collections.ConfigDict) -> float:

@@ -90,7 +90,9 @@ def test_lm_1b_compiles_from_shapes_and_its_model_flops_follow_palm():
     m, seq = config.model, config.data.seq_len
     # Per token: 6 × params in matmuls (all but the untied input table) + attention's
     # 12 · layers · d_model · seq_len; one row of seq tokens per device.
-    matmul_params = param_count(config) - m.vocab_size * m.d_model
+    K = m.d_model // m.num_heads
+    per_layer = 2 * m.d_model**2 + 2 * m.d_model * m.num_kv_heads * K + 3 * m.d_model * m.mlp_dim
+    matmul_params = m.num_layers * per_layer + m.d_model * m.vocab_size  # the untied head
     per_token = 6 * matmul_params + 12 * m.num_layers * m.d_model * seq
     assert cost.model_flops_per_step == pytest.approx(per_token * seq, rel=1e-12)
     # Full remat recomputes each block's forward matmuls: more executed than the model needs,
