@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxkit.config import flatten
+from jaxkit.config import ADDED_DEFAULTS, flatten
 from jaxkit.data import Position
 from jaxkit.layers import LM_DEFAULTS
 from jaxkit.workdir import absolute, missing_gcs_support
@@ -89,7 +89,7 @@ def _names(path: tuple) -> tuple[str, ...]:
 def config_conflicts(saved: dict, current: dict) -> list[str]:
     """Lines `key: saved -> current` for every difference that would change the model."""
     # Runs saved before a model key existed ran with its default.
-    defaults = {f"model.{key}": value for key, value in LM_DEFAULTS.items()}
+    defaults = {f"model.{key}": value for key, value in LM_DEFAULTS.items()} | ADDED_DEFAULTS
     old, new = defaults | flatten(saved), defaults | flatten(current)
     lines = []
     for key in sorted(old.keys() | new.keys()):

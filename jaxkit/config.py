@@ -37,6 +37,15 @@ RENAMED = {
 }
 
 
+# Keys added after runs were saved: a saved config without one ran as this value says.
+ADDED_DEFAULTS: dict[str, object] = {
+    "train.loss_normalisation": "exact",  # unweighted rows: exact and naive are one loss
+    "data.rows": "windows",
+    "data.document_mask": False,
+    "data.token_dtype": "uint16",
+}
+
+
 class ConfigError(ValueError):
     """A config name, key or value that cannot be used."""
 
@@ -91,6 +100,10 @@ def base_config() -> ml_collections.ConfigDict:
     # optimizer step). fused: one call per optimizer step, a local scan over the K
     # micro-batches and one all-reduce; params are gathered whole inside the step.
     c.train.accumulation = "multisteps"  # multisteps | fused
+    # exact: a step's loss is Σ weight × token loss / Σ weight over its whole global batch,
+    # for every split. naive: the mean of micro-batch means, as other kits compute it; it
+    # differs wherever rows weigh differently (padding, prompts): for comparison only.
+    c.train.loss_normalisation = "exact"  # exact | naive
     # Smoothing of the gradient noise scale estimate, per optimizer step (see noise_scale.py).
     c.train.noise_scale_decay = 0.95
     c.train.profile_steps = ""  # "START:END": trace optimizer steps START..END-1; "" = off
@@ -271,6 +284,15 @@ def _text(*, nullable: bool) -> Rule:
     return check
 
 
+def _token_path(value: object) -> str | None:
+    if isinstance(value, str) and value.strip():
+        return None
+    return (
+        "must name token files: a directory `jaxkit data prepare` wrote, a file, a directory "
+        "of .bin/.npy files or a glob (local or gs://)"
+    )
+
+
 def _text_file(value: object) -> str | None:
     """null (the default corpus), or a readable, non-empty local file."""
     if value is None:
@@ -346,6 +368,7 @@ BASE_RULES: dict[str, Rule] = {
     "train.eval_examples": _COUNT,
     "train.max_nonfinite_in_row": _POSITIVE,
     "train.accumulation": _one_of("multisteps", "fused"),
+    "train.loss_normalisation": _one_of("exact", "naive"),
     "train.noise_scale_decay": _FRACTION_OPEN,  # 1 divides by its bias correction, 1 − 1**n
     "train.profile_steps": _text(nullable=False),
     "checkpoint.every": _COUNT,
@@ -360,7 +383,7 @@ def _boolean(value: object) -> str | None:
 
 
 _LM_DATA: dict[str, Rule] = {
-    "data.source": _one_of("text", "synthetic"),
+    "data.source": _one_of("text", "synthetic", "tokens"),
     "data.seq_len": _POSITIVE,
     "data.eval_fraction": _number(0, 1, open_low=True, open_high=True),
 }
@@ -370,6 +393,10 @@ _LM_OPTIONS: dict[str, Rule] = {
     "model.compute_dtype": _one_of("float32", "bfloat16"),
     "model.remat": _one_of("none", "full", "dots"),
     "model.scan_layers": _boolean,
+    # Token files (token_files.py): read where data.source=tokens, checked wherever present.
+    "data.rows": _one_of("windows", "documents"),
+    "data.document_mask": _boolean,
+    "data.token_dtype": _one_of("uint16", "uint32"),
 }
 
 # Each model kind's keys: the model's sizes, and the data it reads.
@@ -414,6 +441,7 @@ SOURCE_RULES: dict[str, dict[str, Rule]] = {
     "text": {"data.path": _text_file, "data.max_bytes": _POSITIVE},
     "synthetic": {"data.num_examples": _POSITIVE},
     "digits": {},
+    "tokens": {"data.path": _token_path},
 }
 BYTES = 256  # the text source's token ids are bytes
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10  # scikit-learn's 8×8 digits, labels 0..9
@@ -462,8 +490,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     kind, source = str(flat["model.kind"]), flat.get("data.source")
     _check(flat, MODEL_RULES[_rules_key(kind)], f"model.kind={kind!r}")
     _check(flat, OPTIONAL_RULES[_rules_key(kind)], None)
-    for name, rules in SOURCE_RULES.items():
-        _check(flat, rules, f"data.source={name!r}" if name == source else None)
+    own = SOURCE_RULES.get(str(source), {})
+    _check(flat, own, f"data.source={source!r}")
+    for rules in SOURCE_RULES.values():  # other sources' keys, where this one reads none
+        _check(flat, {k: r for k, r in rules.items() if k not in own}, None)
     _check_relations(flat, kind)
     if is_custom(kind):
         from jaxkit import custom_model  # it imports this module
@@ -490,6 +520,11 @@ def _check_relations(flat: dict[str, Any], kind: str) -> None:
         )
     if flat["train.profile_steps"]:
         parse_profile_steps(flat["train.profile_steps"], flat["train.steps"])
+    if flat.get("data.document_mask") and kind not in LM_KINDS:
+        raise ConfigError(
+            f"data.document_mask=true: model.kind={kind!r} takes no segment ids; the built-in "
+            f"language models ({', '.join(LM_KINDS)}) do"
+        )
     if kind in LM_KINDS:
         _check_transformer(flat)
     elif kind == "mlp":
@@ -514,6 +549,13 @@ def _check_transformer(flat: dict[str, Any]) -> None:
             f"model.d_model / model.num_heads = {d_model // heads} is odd: rotary positions "
             "rotate pairs of a head's dimensions"
         )
+    if flat["data.source"] != "tokens":
+        for key, off in (("data.document_mask", False), ("data.rows", "windows")):
+            if flat.get(key, off) != off:
+                raise ConfigError(
+                    f"{key}={_show(flat[key])} reads document ends from token files that "
+                    "`jaxkit data prepare` wrote: set data.source=tokens"
+                )
     if flat["data.source"] == "text" and flat["model.vocab_size"] < BYTES:
         raise ConfigError(
             f"model.vocab_size={flat['model.vocab_size']}: data.source='text' feeds bytes, "

@@ -153,11 +153,22 @@ def split_config(
 
 
 def batch_row_spec(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Each batch entry's per-row shape and dtype, as the data sources deliver them."""
+    """Each train batch entry's per-row shape and dtype, as the loader delivers them."""
     if is_lm(config.model.kind):
         row = ((config.data.seq_len,), "int32")
-        return {"inputs": row, "targets": row}
-    return {"inputs": ((config.data.num_features,), "float32"), "targets": ((), "int32")}
+        spec: dict[str, tuple[tuple[int, ...], str]] = {
+            "inputs": row,
+            "targets": row,
+            "loss_weights": ((config.data.seq_len,), "float32"),
+        }
+        if config.data.get("document_mask", False):  # packed documents' segments
+            spec |= {"segment_ids": row, "positions": row}
+        return spec
+    return {
+        "inputs": ((config.data.num_features,), "float32"),
+        "targets": ((), "int32"),
+        "loss_weights": ((), "float32"),
+    }
 
 
 def abstract_batch(

@@ -27,7 +27,10 @@ from jax.sharding import PartitionSpec as P
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.config import is_lm
 
-Rows = dict[str, np.ndarray]  # "inputs" and "targets", one entry per row asked for
+# "inputs" and "targets", one entry per row asked for, and "weights" where rows are not
+# scored everywhere: one per target (float32; 0 = not scored, e.g. a prompt or padding).
+Rows = dict[str, np.ndarray]
+NORMALISATIONS = ("exact", "naive")
 
 
 class Source(Protocol):
@@ -36,6 +39,18 @@ class Source(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, rows: np.ndarray) -> Rows: ...
+
+
+def row_weight_sums(source: Source, rows: np.ndarray) -> np.ndarray:
+    """Each row's total target weight (float64), from the source's own index where it keeps
+    one (a row's length for unweighted rows): what a step's normaliser is made of."""
+    own = getattr(source, "row_weight_sums", None)
+    if own is not None:
+        return np.asarray(own(rows), dtype=np.float64)
+    picked = source[np.asarray(rows)]
+    if "weights" in picked:
+        return picked["weights"].reshape(len(rows), -1).sum(axis=1, dtype=np.float64)
+    return np.full(len(rows), picked["targets"][0].size, dtype=np.float64)
 
 
 class DataError(ValueError):
@@ -49,12 +64,21 @@ class ArraySource:
     inputs: np.ndarray
     targets: np.ndarray
     seq_len: int | None = None  # tokens per row for sequence data
+    weights: np.ndarray | None = None  # one per target; None = every target weighs 1
 
     def __len__(self) -> int:
         return len(self.inputs)
 
     def __getitem__(self, rows: np.ndarray) -> Rows:
-        return {"inputs": self.inputs[rows], "targets": self.targets[rows]}
+        out = {"inputs": self.inputs[rows], "targets": self.targets[rows]}
+        if self.weights is not None:
+            out["weights"] = self.weights[rows].astype(np.float32)
+        return out
+
+    def row_weight_sums(self, rows: np.ndarray) -> np.ndarray:
+        if self.weights is None:
+            return np.full(len(rows), self.targets[0].size, dtype=np.float64)
+        return self.weights[rows].reshape(len(rows), -1).sum(axis=1, dtype=np.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +95,9 @@ class TokenWindows:
         starts = np.asarray(rows, dtype=np.int64)[:, None] * self.seq_len
         window = self.tokens[starts + np.arange(self.seq_len + 1)].astype(np.int32)
         return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+    def row_weight_sums(self, rows: np.ndarray) -> np.ndarray:
+        return np.full(len(rows), self.seq_len, dtype=np.float64)
 
     def unigram_entropy(self) -> float:
         """Entropy in nats/byte of the byte frequencies: what a context-free model achieves."""
@@ -134,12 +161,48 @@ def make_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
         )
     elif d.source == "synthetic":
         sources = _synthetic(config)
+    elif d.source == "tokens":
+        sources = _token_sources(config)
     else:
-        raise DataError(f"data.source={d.source!r} is not one of text, digits, synthetic")
+        raise DataError(f"data.source={d.source!r} is not one of text, digits, synthetic, tokens")
     for name, size in (("train", len(sources[0])), ("eval", len(sources[1]))):
         if size == 0:
             raise DataError(f"data: the {name} split is empty; give more data")
     return sources
+
+
+def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
+    """Token files' train and held-out rows, their ids checked against the vocabulary."""
+    from jaxkit import token_files
+
+    d, vocab = config.data, config.model.vocab_size
+    try:
+        train, held_out, facts = token_files.open_splits(
+            d.path, d.get("token_dtype", "uint16"), d.eval_fraction
+        )
+        if "vocab_size" in facts:  # prepared: its tokenizer's ids are all below this
+            if facts["vocab_size"] > vocab:
+                raise DataError(
+                    f"data.path={d.path!r} holds ids of a {facts['vocab_size']}-token "
+                    f"vocabulary, above model.vocab_size={vocab}: set model.vocab_size="
+                    f"{facts['vocab_size']} (or more)"
+                )
+        else:  # foreign files state no vocabulary: read their largest id once
+            top = max(token_files.max_token(s.tokens) for s in (train, held_out))
+            if top >= vocab:
+                raise DataError(
+                    f"data.path={d.path!r} holds token id {top}, not below model.vocab_size="
+                    f"{vocab}: set model.vocab_size={top + 1} (or more), or check "
+                    f"data.token_dtype={d.get('token_dtype', 'uint16')!r}"
+                )
+        rows = d.get("rows", "windows")
+        mask = d.get("document_mask", False)
+        return (
+            token_files.TokenRows(train, d.seq_len, rows, mask),
+            token_files.TokenRows(held_out, d.seq_len, rows, mask),
+        )
+    except token_files.TokenFileError as e:
+        raise DataError(str(e)) from None
 
 
 def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySource]:
@@ -236,6 +299,35 @@ def to_global_array(
     }
 
 
+_last_weight: list = [None, 0.0]  # the last step asked for: its K micro-steps ask K times
+
+
+def step_weight(source: Source, first_example: int, rows: int, seed: int) -> float:
+    """Σ weight of stream examples [first_example, first_example + rows): an optimizer
+    step's (or a micro-step's) denominator, from per-row sums, the same on every process."""
+    key = (id(source), first_example, rows, seed)
+    if _last_weight[0] != key:
+        sums = row_weight_sums(source, stream_rows(first_example, rows, len(source), seed))
+        _last_weight[:] = [key, float(sums.sum())]
+    return _last_weight[1]
+
+
+def _scale(weight: float, factor: float = 1.0) -> float:
+    """`factor / weight`; a batch with no weight at all is scored nowhere (scale 0)."""
+    return factor / weight if weight > 0 else 0.0
+
+
+def _with_loss_weights(rows: Rows, scale: np.ndarray | float) -> Rows:
+    """`rows` with "loss_weights" (each target's weight × `scale`) in place of "weights":
+    the step's loss is then Σ loss_weights × token loss, with no division on the device."""
+    weights = rows.pop("weights", None)
+    if weights is None:
+        weights = np.ones(rows["targets"].shape, dtype=np.float32)
+    scale = np.asarray(scale, dtype=np.float64).reshape(np.shape(scale) + (1,) * (weights.ndim - 1))
+    rows["loss_weights"] = (weights * scale).astype(np.float32)
+    return rows
+
+
 def load_micro_batch(
     source: Source,
     first_example: int,
@@ -243,12 +335,25 @@ def load_micro_batch(
     plan: BatchPlan,
     seed: int,
     sharding: jax.sharding.Sharding,
+    normalisation: str = "exact",
 ) -> dict[str, jax.Array]:
     """Micro-step `micro` of the optimizer step starting at stream example `first_example`,
-    sharded over the batch axes."""
+    sharded over the batch axes.
+
+    Its "loss_weights" make the mean of the K micro-step losses (MultiSteps' mean) the
+    step's Σ weight × loss / Σ weight over the whole global batch ("exact"): each weight
+    is scaled by K / (the global batch's weight). "naive" divides by the micro-batch's own
+    weight instead, the mean of micro-batch means other kits compute (for comparison).
+    """
+    m, k = plan.micro_batch_size, plan.grad_accum_steps
+    if normalisation == "exact":
+        scale = _scale(step_weight(source, first_example, plan.global_batch_size, seed), k)
+    else:
+        scale = _scale(step_weight(source, first_example + micro * m, m, seed))
     rows = micro_batch_rows(first_example, micro, plan, len(source), seed)
     local_rows = rows[process_row_range(sharding, len(rows))]
-    return to_global_array(source[local_rows], sharding, len(rows))
+    picked = _with_loss_weights(source[local_rows], scale)
+    return to_global_array(picked, sharding, len(rows))
 
 
 def load_global_batch(
@@ -257,20 +362,32 @@ def load_global_batch(
     plan: BatchPlan,
     seed: int,
     sharding: jax.sharding.NamedSharding,
+    normalisation: str = "exact",
 ) -> dict[str, jax.Array]:
     """The whole optimizer step starting at `first_example`, as (K, micro_batch, ...):
     micro-step m is row m.
 
     `sharding` splits the second axis over the batch axes, so each device holds its slice
-    of every micro-batch, exactly the rows load_micro_batch would give it.
+    of every micro-batch, exactly the rows load_micro_batch would give it. The fused step
+    sums Σ loss_weights × loss over all K: "exact" scales each weight by 1 / (the global
+    batch's weight), "naive" by 1 / (K × its micro-batch's weight).
     """
     k, m = plan.grad_accum_steps, plan.micro_batch_size
+    if normalisation == "exact":
+        scale: np.ndarray | float = _scale(
+            step_weight(source, first_example, plan.global_batch_size, seed)
+        )
+    else:
+        scale = np.array(
+            [_scale(step_weight(source, first_example + i * m, m, seed), 1 / k) for i in range(k)]
+        )
     rows_KxM = stream_rows(first_example, k * m, len(source), seed).reshape(k, m)
     rows_sharding = jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
     local = process_row_range(rows_sharding, m)
     local_rows = rows_KxM[:, local]
     picked = source[local_rows.reshape(-1)]
     stacked = {key: v.reshape(k, -1, *v.shape[1:]) for key, v in picked.items()}
+    stacked = _with_loss_weights(stacked, scale)
     return {
         key: jax.make_array_from_process_local_data(sharding, v, (k, m, *v.shape[2:]))
         for key, v in stacked.items()
@@ -289,7 +406,8 @@ def eval_batches(
 
     The last batch is padded to a whole micro-batch with weight-0 copies of row 0, so every
     row is evaluated and each counts once: the same rows for every split, device count and
-    process count. Each batch carries `weights` (1 for a real row, 0 for padding).
+    process count. Each batch carries `weights`, one per target: the source's (1 where it
+    gives none), 0 for padding; the eval loss is Σ weight × loss / Σ weight, as training's.
     """
     n, m = eval_row_count(source, eval_examples), plan.micro_batch_size
     local = process_row_range(sharding, m)
@@ -297,7 +415,9 @@ def eval_batches(
         rows = np.arange(start, start + m)
         real = rows < n
         batch = source[np.where(real, rows, 0)[local]]
-        batch["weights"] = real[local].astype(np.float32)
+        weights = batch.get("weights", np.ones(batch["targets"].shape, dtype=np.float32))
+        real_BxT = real[local].reshape((-1,) + (1,) * (weights.ndim - 1))
+        batch["weights"] = (weights * real_BxT).astype(np.float32)
         yield to_global_array(batch, sharding, m)
 
 

@@ -3,7 +3,7 @@
 `optax.MultiSteps` called once per micro-batch all-reduces the gradient K times per
 optimizer step, and so does a `lax.scan` under plain jit (XLA keeps the all-reduce inside
 the loop). Here `jax.shard_map`, manual over the "data" axis only, makes each data group
-sum its own micro-batch gradients over a local scan, and a single `pmean` crosses "data"
+sum its own micro-batch gradients over a local scan, and a single `psum` crosses "data"
 once per optimizer step. Inside a group the "fsdp" and "tensor" axes stay with the
 compiler: params, gradients and the accumulator keep the params' sharding (the gradient is
 reduce-scattered over "fsdp" at each micro-step, so the accumulator is sharded, as
@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxkit.models import cross_entropy
+from jaxkit.models import logits_of, weighted_loss
 from jaxkit.optimizer import Hyper, float32, make_optimizer
 
 
@@ -43,17 +43,20 @@ def fused_train_step(
     config: Any,
     mesh: Mesh,
 ) -> tuple[Any, dict[str, jax.Array]]:
-    """One optimizer step on a (K, micro_batch, ...) batch: local scan, one pmean."""
+    """One optimizer step on a (K, micro_batch, ...) batch: local scan, one psum."""
     accum_steps = jax.tree.leaves(batch)[0].shape[0]  # K is in the batch's shape here
     tx = make_optimizer(config, hyper)
 
+    groups = mesh.shape["data"]
+
     def accumulate(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
-        """Mean gradient, mean loss, non-finite micro-batches and mean |micro-batch
-        gradient|² over this group's rows of the K micro-batches, summed in a local scan."""
+        """Gradient and loss summed over this group's rows of the K micro-batches (the
+        loader's weights make the sum over every group the global batch's Σ w·loss / Σ w),
+        non-finite micro-batches, and the mean |micro-batch gradient|² in mean-loss scale."""
 
         def micro(grad_sum: Any, mb: dict[str, jax.Array]) -> tuple[Any, tuple]:
             def loss_fn(p: Any) -> jax.Array:
-                return cross_entropy(nnx.merge(graphdef, p)(mb["inputs"]), mb["targets"])
+                return weighted_loss(logits_of(nnx.merge(graphdef, p), mb), mb)
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             grads = float32(grads)
@@ -63,22 +66,28 @@ def fused_train_step(
 
         zeros = jax.tree.map(jnp.zeros_like, float32(params))
         grad_sum, (losses, nonfinite, small_sq) = jax.lax.scan(micro, zeros, batch_KxB)
+        # One group's share of one micro-batch weighs about 1 / (K × groups) of the step:
+        # scaled back, its gradient is that share's mean-loss gradient (the noise scale's
+        # small batch), exactly so for unweighted rows.
+        share = accum_steps * groups
         return (
-            jax.tree.map(lambda g: g / accum_steps, grad_sum),
-            jnp.mean(losses),
+            grad_sum,
+            jnp.sum(losses),
             jnp.sum(nonfinite).astype(jnp.float32),
-            jnp.mean(small_sq),
+            (jnp.mean(small_sq) * share**2),
         )
 
     def per_data_group(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
         # Params are invariant across "data"; grad would then insert its own psum. Marking
-        # them varying keeps the gradient local until the one pmean below.
+        # them varying keeps the gradient local until the one reduction below.
         params = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
-        # The one reduction across "data" of the step: the mean over K micro-batches and
-        # the data groups is the global batch's mean gradient (equal-sized micro-batches).
-        return jax.lax.pmean(accumulate(params, batch_KxB), "data")
+        grads, loss, bad, small_sq = accumulate(params, batch_KxB)
+        # The one reduction across "data" of the step: the groups' sums add up to the
+        # global batch's gradient and loss.
+        grads, loss, bad, small_sq = jax.lax.psum((grads, loss, bad, small_sq), "data")
+        return grads, loss, bad, small_sq / groups
 
-    if mesh.shape["data"] == 1:  # no data groups to reduce over (XLA rejects a 1-way one)
+    if groups == 1:  # no data groups to reduce over (XLA rejects a 1-way one)
         grads, loss, bad, small_sq = accumulate(state.params, batch)
     else:
         # Manual over "data" only: fsdp and tensor stay with the compiler, which keeps

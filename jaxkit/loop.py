@@ -63,9 +63,10 @@ class RunResult:
 def evaluate(
     setup: Setup, params: Any, source: data_lib.Source, plan: BatchPlan, eval_examples: int
 ) -> dict[str, float]:
-    """Mean loss and accuracy over the first `eval_examples` held-out rows (0 = all), each
-    row counted once whatever the split: see data.eval_batches."""
-    sums = {"loss_sum": 0.0, "accuracy_sum": 0.0, "rows": 0.0}  # float64 on the host
+    """Weighted mean loss and accuracy over the targets of the first `eval_examples`
+    held-out rows (0 = all), each row counted once whatever the split: see
+    data.eval_batches."""
+    sums = {"loss_sum": 0.0, "accuracy_sum": 0.0, "weight": 0.0}  # float64 on the host
 
     def take(result: Any) -> None:
         for key, value in jax.device_get(result).items():
@@ -78,10 +79,13 @@ def evaluate(
             take(pending)
         pending = result
     take(pending)
+    weight = sums["weight"]
+    if weight <= 0:
+        raise data_lib.DataError("the held-out rows have no scored target (every weight is 0)")
     return {
-        "eval_loss": sums["loss_sum"] / sums["rows"],
-        "eval_accuracy": sums["accuracy_sum"] / sums["rows"],
-        "eval_examples": int(sums["rows"]),
+        "eval_loss": sums["loss_sum"] / weight,
+        "eval_accuracy": sums["accuracy_sum"] / weight,
+        "eval_examples": data_lib.eval_row_count(source, eval_examples),
     }
 
 
@@ -291,11 +295,22 @@ def train(
                     for micro in micros:
                         if fused:
                             batch = data_lib.load_global_batch(
-                                train_source, examples, step_plan, seed, setup.fused_batch_sharding
+                                train_source,
+                                examples,
+                                step_plan,
+                                seed,
+                                setup.fused_batch_sharding,
+                                t.loss_normalisation,
                             )
                         else:
                             batch = data_lib.load_micro_batch(
-                                train_source, examples, micro, step_plan, seed, setup.batch_sharding
+                                train_source,
+                                examples,
+                                micro,
+                                step_plan,
+                                seed,
+                                setup.batch_sharding,
+                                t.loss_normalisation,
                             )
                         state, metrics = step_fn(state, batch, hyper)
                         if pending is not None:

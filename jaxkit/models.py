@@ -77,7 +77,9 @@ class Block(nnx.Module):
         self.mlp_in = _linear(d_model, mlp_dim, "in_proj", "hidden_bias", rngs, **kw)
         self.mlp_out = _linear(mlp_dim, d_model, "out_proj", "vector", rngs, **kw)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_BxLxD: jax.Array, mask_Bx1xLxL: jax.Array | None = None, *_: jax.Array | None
+    ) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H = self.num_heads
         h_BxLxD = self.ln_attn(x_BxLxD)
@@ -85,7 +87,9 @@ class Block(nnx.Module):
             constrain(proj(h_BxLxD).reshape(B, L, H, D // H), "batch", None, "heads", None)
             for proj in (self.query, self.key, self.value)
         )
-        a_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
+        a_BxLxHxK = jax.nn.dot_product_attention(
+            q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, mask=mask_Bx1xLxL, is_causal=True
+        )
         a_BxLxHxK = constrain(a_BxLxHxK, "batch", None, "heads", None)
         x_BxLxD = constrain(
             x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, D)), "batch", None, None
@@ -139,14 +143,23 @@ class TransformerLM(nnx.Module):
         self.ln_final = layers.layer_norm(d_model, rngs, **kw)
         self.head = _linear(d_model, vocab_size, "logits", "vector", rngs, **kw)
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BxL: jax.Array,
+        segment_ids_BxL: jax.Array | None = None,
+        positions_BxL: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits; with segment ids and positions (packed documents, data.document_mask),
+        attention stays inside each document and positions restart at each."""
         L = tokens_BxL.shape[1]
         # The table whole before the lookup (FSDP gathers every param for its layer anyway):
         # a gather from a table sharded on d_model cannot make rows sharded by batch.
         table_VxD = constrain(self.embed.embedding[...], None, None)
-        x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0) + self.pos_embed[:L]
+        pos_xLxD = self.pos_embed[:L] if positions_BxL is None else self.pos_embed[positions_BxL]
+        x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0) + pos_xLxD
         x_BxLxD = constrain(x_BxLxD.astype(self.dtype), "batch", None, None)
-        x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan)
+        mask = layers.document_mask(segment_ids_BxL)
+        x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan, mask)
         return constrain(self.head(self.ln_final(x_BxLxD)), "batch", None, None)  # logits_BxLxV
 
 
@@ -242,3 +255,17 @@ def token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross-entropy in nats over every label (rows, or rows × positions)."""
     return jnp.mean(token_cross_entropy(logits, labels))
+
+
+def logits_of(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+    """The model's logits for a batch; packed documents' segments go to the model."""
+    if "segment_ids" in batch:
+        return model(batch["inputs"], batch["segment_ids"], batch["positions"])
+    return model(batch["inputs"])
+
+
+def weighted_loss(logits: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+    """Σ loss_weights × cross-entropy over the batch's labels. The loader has divided the
+    weights by the step's normaliser (data.load_micro_batch), so no division happens here,
+    and a micro-batch's share of its optimizer step's loss needs no count of its own."""
+    return jnp.sum(batch["loss_weights"] * token_cross_entropy(logits, batch["targets"]))

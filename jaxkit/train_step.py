@@ -26,7 +26,13 @@ from jaxkit.batch_plan import BatchPlan
 from jaxkit.batch_schedule import BatchSchedule, fixed_schedule
 from jaxkit.config import ConfigError
 from jaxkit.fused_step import fused_train_step
-from jaxkit.models import build_model, check_mesh_divides, cross_entropy, token_cross_entropy
+from jaxkit.models import (
+    build_model,
+    check_mesh_divides,
+    logits_of,
+    token_cross_entropy,
+    weighted_loss,
+)
 from jaxkit.optimizer import Hyper, applied_grad_norm, float32, hyper_for, make_optimizer
 
 
@@ -173,15 +179,16 @@ def train_step(
     graphdef: nnx.GraphDef,
     config: ml_collections.ConfigDict,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One micro-step: gradient of the micro-batch's mean loss, fed to MultiSteps.
+    """One micro-step: gradient of the micro-batch's share of its step's loss (its weighted
+    loss × K / the global batch's weight), fed to MultiSteps, whose mean over the K
+    micro-steps is then the gradient of Σ weight × loss / Σ weight over the global batch.
 
     A non-finite micro-batch contributes a zero gradient (so the accumulation keeps its
     cadence of K micro-batches per optimizer step) and is counted in `nonfinite`.
     """
 
     def loss_fn(params: Any) -> jax.Array:
-        logits = nnx.merge(graphdef, params)(batch["inputs"])
-        return cross_entropy(logits, batch["targets"])
+        return weighted_loss(logits_of(nnx.merge(graphdef, params), batch), batch)
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     grads = float32(grads)
@@ -207,12 +214,10 @@ def train_step(
 def eval_step(
     params: Any, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef
 ) -> dict[str, jax.Array]:
-    """Sums over the batch's real rows (weight 1; padding has weight 0) of each row's mean
-    loss and accuracy, and the number of real rows: the caller divides once at the end."""
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
-    row_axes = tuple(range(1, batch["targets"].ndim))  # positions, for sequence rows
-    loss = jnp.mean(token_cross_entropy(logits, batch["targets"]), axis=row_axes)
-    hits = jnp.argmax(logits, axis=-1) == batch["targets"]
-    accuracy = jnp.mean(hits.astype(jnp.float32), axis=row_axes)
+    """Σ weight × loss and Σ weight × hit over the batch's targets (padding rows weigh 0),
+    and Σ weight: the caller divides once at the end, as a training step's loss does."""
+    logits = logits_of(nnx.merge(graphdef, params), batch)
+    loss = token_cross_entropy(logits, batch["targets"])
+    hits = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
     w = batch["weights"]
-    return {"loss_sum": w @ loss, "accuracy_sum": w @ accuracy, "rows": jnp.sum(w)}
+    return {"loss_sum": jnp.sum(w * loss), "accuracy_sum": jnp.sum(w * hits), "weight": jnp.sum(w)}

@@ -2,11 +2,13 @@
 the same losses, gradient norms and params, under adamw and under sgd.
 
 The reference is written here with jax + optax alone: one device, the whole global batch
-per step, no MultiSteps and no jaxkit train step; only the model's forward pass and the
-data order come from jaxkit (they are what the splits must agree on).
+per step, loss Σ weight × loss / Σ weight (the plain mean where rows carry no weights), no
+MultiSteps and no jaxkit train step; only the model's forward pass and the data order come
+from jaxkit (they are what the splits must agree on).
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -111,10 +113,11 @@ def reference_run(config, init_params):
         tx = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), tx)
 
     @jax.jit
-    def step(params, opt_state, inputs, targets):
-        def loss_fn(p):
+    def step(params, opt_state, inputs, targets, weights):
+        def loss_fn(p):  # Σ weight × loss / Σ weight: the mean where every weight is 1
             logits = nnx.merge(graphdef, p)(inputs)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+            return jnp.sum(weights * losses) / jnp.sum(weights)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -126,8 +129,9 @@ def reference_run(config, init_params):
     trajectory = [jax.device_get(params)]
     for i in range(STEPS):
         batch = source[global_batch_rows(i, 32, len(source), config.train.seed)]
+        weights = batch.get("weights", np.ones(batch["targets"].shape, np.float32))
         params, opt_state, loss, grad_norm = step(
-            params, opt_state, batch["inputs"], batch["targets"]
+            params, opt_state, batch["inputs"], batch["targets"], weights
         )
         losses.append(float(loss))
         grad_norms.append(float(grad_norm))

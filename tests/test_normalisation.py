@@ -1,0 +1,172 @@
+"""Exact loss normalisation: on padded prompt/completion rows, whose weights differ from
+row to row, every split, fused accumulation and two processes train the model of one
+device taking the whole global batch with loss Σ weight × loss / Σ weight; the mean of
+micro-batch means (train.loss_normalisation=naive) does not.
+
+The tolerances are test_equivalence's, and for the same reason: the splits sum the same
+weighted per-token gradients in another order. The loader's scaled weights (w × K / W) add
+one rounding per weight, a relative 6e-8, well inside the 2e-6 bound. Measured here: see
+each assertion's comment.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from test_equivalence import (
+    GRAD_NORM_RTOL,
+    LOSS_RTOL,
+    PARAM_ATOL,
+    SEED_SPLITS,
+    STEPS,
+    max_param_diff,
+    reference_for,
+    run_splits,
+)
+from test_multiprocess import finish, start
+from token_dirs import prompt_completion_docs, write_prepared
+
+from jaxkit.batch_schedule import plan_from_config
+from jaxkit.config import apply_overrides, load_config
+from jaxkit.data import load_global_batch, load_micro_batch, make_sources
+from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.train_step import build
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    """Overrides that train lm_tiny (shrunk) on padded prompt/completion documents."""
+    out = tmp_path_factory.mktemp("prompt_completion")
+    write_prepared(
+        out,
+        {
+            "train": prompt_completion_docs(300, seed=1, max_len=12),
+            "eval": prompt_completion_docs(40, seed=2, max_len=12),
+        },
+        shard_docs=70,  # several shards: rows are read across shard files
+    )
+    return [
+        "data.source=tokens",
+        f"data.path={out}",
+        "data.rows=documents",
+        "model.vocab_size=257",
+    ]
+
+
+def test_rows_weigh_differently(padded):
+    """The premise: padded rows' weights differ a lot, so a micro-batch mean is not exact."""
+    config = load_config("lm_tiny")
+    apply_overrides(config, ["data.seq_len=16", *padded])
+    train, _ = make_sources(config)
+    sums = train.row_weight_sums(np.arange(len(train)))
+    assert sums.min() <= 2 and sums.max() >= 7, (sums.min(), sums.max())
+    rows = train[np.arange(len(train))]
+    np.testing.assert_array_equal(rows["weights"].sum(axis=1), sums)
+
+
+@pytest.mark.parametrize("accumulation", ["multisteps", "fused"])
+def test_loss_weights_of_a_step_sum_to_one(padded, accumulation):
+    """The loader's weights: over a whole step (MultiSteps' mean of K), Σ = 1 exactly as
+    the normaliser says; naive makes each micro-batch's Σ = 1 instead."""
+    config = load_config("lm_tiny")
+    apply_overrides(
+        config,
+        [
+            "data.seq_len=16",
+            *padded,
+            f"train.accumulation={accumulation}",
+            "batch.global_batch_size=32",
+            "batch.per_device_batch_size=2",
+        ],
+    )
+    train, _ = make_sources(config)
+    mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:4])
+    plan = plan_from_config(config, mesh_shape(mesh))
+    assert plan.grad_accum_steps == 4
+    setup = build(config, plan, mesh)
+    for normalisation in ("exact", "naive"):
+        if accumulation == "fused":
+            batch = load_global_batch(train, 64, plan, 0, setup.fused_batch_sharding, normalisation)
+            per_micro = np.asarray(batch["loss_weights"]).sum(axis=(1, 2))
+            k_share = per_micro  # the fused step sums the K micro-batches
+        else:
+            per_micro = np.array(
+                [
+                    np.asarray(
+                        load_micro_batch(
+                            train, 64, m, plan, 0, setup.batch_sharding, normalisation
+                        )["loss_weights"]
+                    ).sum()
+                    for m in range(4)
+                ]
+            )
+            k_share = per_micro / 4  # MultiSteps averages the K micro-step gradients
+        np.testing.assert_allclose(k_share.sum(), 1.0, rtol=1e-6)
+        if normalisation == "naive":
+            np.testing.assert_allclose(k_share, 0.25, rtol=1e-6)
+        else:  # exact: each micro-batch counts as much as its weight
+            assert np.ptp(k_share) > 0.02, k_share
+
+
+def test_padded_splits_and_fused_match_a_weighted_full_batch_reference(padded):
+    ref_losses, ref_grad_norms, trajectory = reference_for("lm_tiny", padded)
+    assert ref_losses[-1] < ref_losses[0]
+    runs = run_splits("lm_tiny", SEED_SPLITS, padded)
+    runs |= {
+        ("fused", *split): run
+        for split, run in run_splits(
+            "lm_tiny", [(4, 4, 2), (2, 4, 4)], [*padded, "train.accumulation=fused"]
+        ).items()
+    }
+    for split, (losses, grad_norms, params) in runs.items():
+        # Measured: losses within 3e-7 relative, grad norms 2e-7, params 1.5e-7.
+        np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL, err_msg=str(split))
+        np.testing.assert_allclose(grad_norms, ref_grad_norms, rtol=GRAD_NORM_RTOL)
+        worst = max_param_diff(params, trajectory[-1])
+        assert worst < PARAM_ATOL, (split, worst)
+
+
+def test_the_naive_mean_of_micro_batch_means_drifts(padded):
+    """What other kits compute: K = 4 micro-batch means, averaged. Its loss is a different
+    number from the first step on, and the params follow another trajectory."""
+    ref_losses, ref_grad_norms, trajectory = reference_for("lm_tiny", padded)
+    naive = [*padded, "train.loss_normalisation=naive"]
+    ((losses, grad_norms, params),) = run_splits("lm_tiny", [(1, 8, 4)], naive).values()
+    loss_gap = float(np.max(np.abs(losses / ref_losses - 1)))
+    norm_gap = float(np.max(np.abs(grad_norms / ref_grad_norms - 1)))
+    param_gap = max_param_diff(params, trajectory[-1])
+    # Measured: 1.2e-2 relative loss, 3.5e-2 relative gradient norm, 1.1e-3 in params:
+    # thousands of times the round-off bounds the exact splits meet.
+    assert loss_gap > 1000 * LOSS_RTOL, loss_gap
+    assert norm_gap > 1000 * GRAD_NORM_RTOL, norm_gap
+    assert param_gap > 100 * PARAM_ATOL, param_gap
+    # With K = 1 there is one micro-batch: naive is exact there.
+    ((losses1, _, _),) = run_splits("lm_tiny", [(4, 8, 1)], naive).values()
+    np.testing.assert_allclose(losses1, ref_losses, rtol=LOSS_RTOL)
+
+
+def test_two_processes_match_the_reference(padded, tmp_path):
+    """Each process knows the whole global batch's weight from per-row sums, not from the
+    other process's rows: two processes × 4 devices train as one device does."""
+    ref_losses, ref_grad_norms, _ = reference_for("lm_tiny", padded)
+    config = load_config("lm_tiny")
+    small = [  # test_equivalence.small_config's overrides, on the command line
+        "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64", "model.num_layers=1",
+        "data.seq_len=16", "data.max_bytes=60000",
+        "batch.global_batch_size=32", "batch.per_device_batch_size=2",
+        "batch.grad_accum_steps=null", f"train.steps={STEPS}", "train.log_every=1",
+        "train.eval_every=0", "train.eval_examples=32", "optimizer.warmup_steps=2",
+        "mesh.data=-1", "checkpoint.every=0",
+    ]  # fmt: skip
+    apply_overrides(config, small + padded)  # the same config is valid
+    for code, output in finish(start(tmp_path, run=["lm_tiny", *small, *padded], processes=2)):
+        assert code == 0, output[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss" in r and "grad_norm" in r]
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    assert logged[0]["grad_accum_steps"] == 2  # 8 devices × 2 rows × K = 32
+    np.testing.assert_allclose([r["loss"] for r in logged], ref_losses, rtol=LOSS_RTOL)
+    np.testing.assert_allclose(
+        [r["grad_norm"] for r in logged], ref_grad_norms, rtol=GRAD_NORM_RTOL
+    )
