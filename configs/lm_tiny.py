@@ -29,12 +29,17 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.scan_layers = False  # true: one scanned block, compile time flat in depth
 
     c.data = ml_collections.ConfigDict()
-    c.data.source = "text"  # text | synthetic
-    c.data.path = ml_collections.config_dict.placeholder(str)  # text file; null = stdlib
+    c.data.source = "text"  # text | synthetic | tokens (files `jaxkit data prepare` writes)
+    # text: a text file (null = the stdlib); tokens: a prepared directory, token files or a glob
+    c.data.path = ml_collections.config_dict.placeholder(str)
     c.data.seq_len = 128  # bytes per row
     c.data.max_bytes = 4_000_000  # corpus bytes read, train and held-out together
     c.data.eval_fraction = 0.05  # held-out tail of the corpus
     c.data.num_examples = 4096  # rows of synthetic data (source=synthetic only)
+    # source=tokens only:
+    c.data.rows = "windows"  # windows: packed across documents | documents: one each, padded
+    c.data.document_mask = False  # true: attention stays inside documents (windows)
+    c.data.token_dtype = "uint16"  # foreign .bin files without meta.json: uint16 | uint32
 
     c.batch.global_batch_size = 64  # fixed: the same updates on any number of devices
     c.batch.per_device_batch_size = 4  # grad_accum_steps is derived: 2 on 8 devices

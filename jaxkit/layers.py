@@ -116,21 +116,32 @@ def make_blocks(
     return stacked(rngs)
 
 
-def run_blocks(blocks: nnx.Module, x: jax.Array, remat: str, scan: bool) -> jax.Array:
-    """`x` through every block in order, rematerialised as `remat` says."""
+def run_blocks(
+    blocks: nnx.Module, x: jax.Array, remat: str, scan: bool, *context: jax.Array | None
+) -> jax.Array:
+    """`x` through every block in order, rematerialised as `remat` says; `context` (the
+    attention mask and positions of packed documents, or None) goes to every block."""
 
-    def apply(block: nnx.Module, x: jax.Array) -> jax.Array:
-        return block(x)
+    def apply(block: nnx.Module, x: jax.Array, *context: jax.Array | None) -> jax.Array:
+        return block(x, *context)
 
     if REMAT_POLICIES[remat] is not None:
         apply = nnx.remat(apply, policy=REMAT_POLICIES[remat])
     if not scan:
         for block in blocks:  # type: ignore[attr-defined]  # an nnx.List
-            x = apply(block, x)
+            x = apply(block, x, *context)
         return x
 
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-    def layer(block: nnx.Module, x: jax.Array) -> jax.Array:
-        return apply(block, x)
+    @nnx.scan(in_axes=(0, nnx.Carry, *(None for _ in context)), out_axes=nnx.Carry)
+    def layer(block: nnx.Module, x: jax.Array, *context: jax.Array | None) -> jax.Array:
+        return apply(block, x, *context)
 
-    return layer(blocks, x)
+    return layer(blocks, x, *context)
+
+
+def document_mask(segment_ids_BxL: jax.Array | None) -> jax.Array | None:
+    """Attention allowed only within a document: (B, 1, L, L), True where the query's and
+    the key's segments agree (causality is applied on top); None without segments."""
+    if segment_ids_BxL is None:
+        return None
+    return (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]

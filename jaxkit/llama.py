@@ -21,12 +21,14 @@ from jaxkit.mesh import RULES, constrain
 INIT_STDDEV = 0.02  # GPT-2's; residual outputs are scaled down further by depth
 
 
-def rotary(x_BxLxNxK: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (rotate-half form), angles computed in float32."""
+def rotary(x_BxLxNxK: jax.Array, theta: float, positions_BxL: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding (rotate-half form), angles computed in float32; positions
+    0..L-1 unless given (packed documents restart at 0)."""
     L, K = x_BxLxNxK.shape[1], x_BxLxNxK.shape[3]
     inv_freq_K2 = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
-    angles_LxK2 = jnp.arange(L, dtype=jnp.float32)[:, None] * inv_freq_K2[None, :]
-    cos, sin = jnp.cos(angles_LxK2)[None, :, None, :], jnp.sin(angles_LxK2)[None, :, None, :]
+    pos_BxL = jnp.arange(L)[None] if positions_BxL is None else positions_BxL
+    angles_BxLxK2 = pos_BxL.astype(jnp.float32)[..., None] * inv_freq_K2
+    cos, sin = jnp.cos(angles_BxLxK2)[:, :, None, :], jnp.sin(angles_BxLxK2)[:, :, None, :]
     x1, x2 = jnp.split(x_BxLxNxK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxNxK.dtype)
@@ -53,19 +55,26 @@ class LlamaBlock(nnx.Module):
         self.up = layers.linear(D, F, "in_proj", None, rngs, kernel_init=init, **kw)
         self.down = layers.linear(F, D, "out_proj", None, rngs, kernel_init=out_init, **kw)
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x_BxLxD: jax.Array,
+        mask_Bx1xLxL: jax.Array | None = None,
+        positions_BxL: jax.Array | None = None,
+    ) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H, G = self.num_heads, self.num_kv_heads
         K = D // H
         h_BxLxD = self.attn_norm(x_BxLxD)
-        q_BxLxHxK = rotary(self.query(h_BxLxD).reshape(B, L, H, K), self.rope_theta)
-        k_BxLxGxK = rotary(self.key(h_BxLxD).reshape(B, L, G, K), self.rope_theta)
+        q_BxLxHxK = rotary(self.query(h_BxLxD).reshape(B, L, H, K), self.rope_theta, positions_BxL)
+        k_BxLxGxK = rotary(self.key(h_BxLxD).reshape(B, L, G, K), self.rope_theta, positions_BxL)
         v_BxLxGxK = self.value(h_BxLxD).reshape(B, L, G, K)
         q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = (
             constrain(t, "batch", None, "heads", None) for t in (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
         )
         # Each group of H / G query heads shares one key/value head; softmax in float32.
-        a_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, is_causal=True)
+        a_BxLxHxK = jax.nn.dot_product_attention(
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=mask_Bx1xLxL, is_causal=True
+        )
         a_BxLxHxK = constrain(a_BxLxHxK, "batch", None, "heads", None)
         x_BxLxD = constrain(
             x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, H * K)), "batch", None, None
@@ -110,12 +119,21 @@ class LlamaLM(nnx.Module):
                 param_dtype=param_dtype,
             )
 
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BxL: jax.Array,
+        segment_ids_BxL: jax.Array | None = None,
+        positions_BxL: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits; with segment ids and positions, as models.TransformerLM."""
         # The table whole before the lookup, as in models.TransformerLM.
         table_VxD = constrain(self.embed.embedding[...], None, None)
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype)
         x_BxLxD = constrain(x_BxLxD, "batch", None, None)
-        x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan)
+        mask = layers.document_mask(segment_ids_BxL)
+        x_BxLxD = layers.run_blocks(
+            self.blocks, x_BxLxD, self.remat, self.scan, mask, positions_BxL
+        )
         h_BxLxD = self.final_norm(x_BxLxD)
         logits_BxLxV = self.embed.attend(h_BxLxD) if self.tie_embeddings else self.head(h_BxLxD)
         return constrain(logits_BxLxV, "batch", None, None)

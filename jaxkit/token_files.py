@@ -1,0 +1,330 @@
+"""`data.source=tokens`: rows from token files, read by memory map, never whole.
+
+`data.path` is a directory `jaxkit data prepare` wrote (its meta.json names the shards of
+each split), or foreign flat token files: a file, a directory of `.bin`/`.npy` files, or a
+glob, local or a URL (`gs://...`, read in ranges through fsspec). The shards of a split
+form one stream of token ids. Rows are either
+
+- windows (`data.rows=windows`, packed): row r is stream tokens [r·L, r·L + L + 1),
+  across document and shard boundaries, as nanoGPT reads `train.bin`; or
+- documents (`data.rows=documents`, padded): row r is document r's first L + 1 tokens,
+  padded with the end-of-document id, the padding weighing 0.
+
+A target's weight is its mask byte (1 where a prepared mask scores it, else 1 everywhere).
+With `data.document_mask`, windows also carry `segment_ids` and `positions` so attention
+stays inside each document and positions restart at each one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from jaxkit import token_format as fmt
+
+ROWS = ("windows", "documents")
+
+
+class TokenFileError(ValueError):
+    """Token files that cannot be read as the config says."""
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+class _RangeFile:
+    """A remote file of fixed-size items, read in ranges through fsspec (no memory map)."""
+
+    def __init__(self, path: str, dtype: np.dtype, size_bytes: int) -> None:
+        import fsspec
+
+        self.path, self.dtype = path, dtype
+        self.file = fsspec.open(path, "rb").open()
+        self.shape = (size_bytes // dtype.itemsize,)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        start, stop, _ = span.indices(self.shape[0])
+        self.file.seek(start * self.dtype.itemsize)
+        data = self.file.read(max(stop - start, 0) * self.dtype.itemsize)
+        return np.frombuffer(data, dtype=self.dtype)
+
+
+def _size(path: str) -> int:
+    if is_url(path):
+        import fsspec
+
+        fs, inner = fsspec.core.url_to_fs(path)
+        return int(fs.size(inner))
+    return os.path.getsize(path)
+
+
+def open_tokens(path: str, dtype: str | None) -> Any:
+    """One shard as a 1-D array-like of token ids: a memory map locally, ranged reads for
+    a URL. `.npy` files carry their dtype; flat files take `dtype` (little-endian)."""
+    try:
+        if path.endswith(".npy"):
+            if is_url(path):
+                raise TokenFileError(f"{path}: .npy shards are read locally; use flat .bin files")
+            array = np.load(path, mmap_mode="r")
+            if array.ndim != 1 or array.dtype.kind not in "ui":
+                raise TokenFileError(
+                    f"{path}: a .npy shard holds one flat array of integer token ids, "
+                    f"not {array.dtype} of shape {array.shape}"
+                )
+            return array
+        if dtype not in fmt.DTYPES:
+            raise TokenFileError(f"{path}: the token dtype {dtype!r} is not one of {fmt.DTYPES}")
+        item = np.dtype(dtype).newbyteorder("<")
+        size = _size(path)
+        if size % item.itemsize:
+            raise TokenFileError(
+                f"{path}: {size} bytes is not a whole number of {dtype} tokens "
+                f"({item.itemsize} bytes each): a truncated file, or the wrong data.token_dtype"
+            )
+        if is_url(path):
+            return _RangeFile(path, item, size)
+        return np.memmap(path, dtype=item, mode="r") if size else np.zeros(0, item)
+    except (OSError, ValueError) as e:
+        if isinstance(e, TokenFileError):
+            raise
+        raise TokenFileError(f"{path}: cannot be read as token ids ({e})") from None
+
+
+@dataclasses.dataclass
+class Stream:
+    """Several shards as one stream of `len(self)` items: [lo, hi) of their concatenation."""
+
+    shards: list[Any]
+    lo: int = 0
+    hi: int | None = None
+
+    def __post_init__(self) -> None:
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
+        total = int(self.starts[-1])
+        self.hi = total if self.hi is None else self.hi
+
+    def __len__(self) -> int:
+        assert self.hi is not None
+        return self.hi - self.lo
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Items [start, start + length) of the stream, across shard boundaries."""
+        first = self.lo + start
+        pieces, at, end = [], first, first + length
+        shard = int(np.searchsorted(self.starts, at, side="right")) - 1
+        while at < end:
+            base = int(self.starts[shard])
+            stop = min(end, int(self.starts[shard + 1]))
+            pieces.append(np.asarray(self.shards[shard][at - base : stop - base]))
+            at, shard = stop, shard + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+@dataclasses.dataclass
+class Split:
+    """One split of token files: its tokens, its masks (or None) and its documents."""
+
+    tokens: Stream
+    masks: Stream | None
+    doc_starts: np.ndarray | None  # stream offset of each document's first token
+    eod_id: int | None
+
+
+def _expand(path: str) -> list[str]:
+    if is_url(path):
+        import fsspec
+
+        fs, _ = fsspec.core.url_to_fs(path)
+        protocol = path.split("://", 1)[0]
+        if any(ch in path for ch in "*?["):
+            found = sorted(fs.glob(path))
+        elif fs.isdir(path):
+            found = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".bin", ".npy")))
+        else:
+            found = [path] if fs.exists(path) else []
+        return [p if "://" in p else f"{protocol}://{p.lstrip('/')}" for p in found]
+    path = os.path.expanduser(path)
+    if any(ch in path for ch in "*?["):
+        return sorted(glob.glob(path))
+    if os.path.isdir(path):
+        return sorted(
+            os.path.join(path, n) for n in os.listdir(path) if n.endswith((".bin", ".npy"))
+        )
+    return [path] if os.path.isfile(path) else []
+
+
+def read_meta(path: str) -> dict | None:
+    """meta.json of a prepared directory, or None for foreign files."""
+    meta_path = path.rstrip("/") + "/" + fmt.META_NAME
+    try:
+        if is_url(path):
+            import fsspec
+
+            fs, inner = fsspec.core.url_to_fs(meta_path)
+            if not fs.exists(inner):
+                return None
+            with fs.open(inner, "rb") as f:
+                meta = json.loads(f.read())
+        else:
+            if not os.path.isfile(os.path.expanduser(meta_path)):
+                return None
+            with open(os.path.expanduser(meta_path), "rb") as f:
+                meta = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise TokenFileError(f"{meta_path}: cannot be read ({e})") from None
+    if meta.get("format") != fmt.FORMAT or meta.get("version") != fmt.VERSION:
+        raise TokenFileError(
+            f"{meta_path}: not a {fmt.FORMAT} version {fmt.VERSION} meta.json "
+            f"(format {meta.get('format')!r}, version {meta.get('version')!r})"
+        )
+    return meta
+
+
+def _prepared_split(root: str, meta: dict, split: str) -> Split:
+    stems = meta["shards"][split]
+    join = (
+        (lambda name: root.rstrip("/") + "/" + name)
+        if is_url(root)
+        else (lambda name: os.path.join(os.path.expanduser(root), name))
+    )
+    tokens = [open_tokens(join(s + fmt.TOKEN_SUFFIX), meta["dtype"]) for s in stems]
+    masks = None
+    if meta.get("masked"):
+        masks = [np.memmap(join(s + fmt.MASK_SUFFIX), dtype=np.uint8, mode="r") for s in stems]
+        for stem, t, m in zip(stems, tokens, masks, strict=True):
+            if len(t) != len(m):
+                raise TokenFileError(f"{join(stem)}: {len(t)} tokens but {len(m)} mask bytes")
+    starts, offset = [], 0
+    for stem, t in zip(stems, tokens, strict=True):
+        starts.append(np.load(join(stem + fmt.DOCS_SUFFIX)) + offset)
+        offset += len(t)
+    doc_starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+    return Split(Stream(tokens), Stream(masks) if masks else None, doc_starts, int(meta["eod_id"]))
+
+
+def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Split, Split, dict]:
+    """(train, eval, facts): a prepared directory's two splits, or foreign token files
+    whose last `eval_fraction` of tokens is held out. `facts` holds meta.json (or what is
+    known without it: dtype and counts)."""
+    meta = read_meta(path) if not any(ch in path for ch in "*?[") else None
+    if meta is not None:
+        train, held = (_prepared_split(path, meta, split) for split in fmt.SPLITS)
+        return train, held, meta
+    files = _expand(path)
+    if not files:
+        raise TokenFileError(f"data.path={path!r} matches no token file (.bin or .npy)")
+    stream = Stream([open_tokens(f, token_dtype) for f in files])
+    cut = int(len(stream) * (1 - eval_fraction))
+    facts = {"dtype": token_dtype, "files": files, "num_tokens": len(stream)}
+    return (
+        Split(Stream(stream.shards, 0, cut), None, None, None),
+        Split(Stream(stream.shards, cut, len(stream)), None, None, None),
+        facts,
+    )
+
+
+def max_token(stream: Stream, chunk: int = 1 << 24) -> int:
+    """The largest id in `stream`, read a chunk at a time (foreign files state none)."""
+    top = -1
+    for start in range(0, len(stream), chunk):
+        top = max(top, int(stream.read(start, min(chunk, len(stream) - start)).max()))
+    return top
+
+
+def segments(inputs_BxL: np.ndarray, eod_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(segment_ids, positions) of packed rows: a document's end-of-document token is its
+    last, the token after it starts the next segment at position 0."""
+    ends = (inputs_BxL == eod_id).astype(np.int32)
+    segment_BxL = np.cumsum(ends, axis=1) - ends  # the eod belongs to the document it ends
+    index = np.arange(inputs_BxL.shape[1])
+    starts = np.where(np.diff(segment_BxL, axis=1, prepend=-1) != 0, index, 0)
+    positions_BxL = index - np.maximum.accumulate(starts, axis=1)
+    return segment_BxL.astype(np.int32), positions_BxL.astype(np.int32)
+
+
+@dataclasses.dataclass
+class TokenRows:
+    """A split's rows (windows or documents), with weights and, asked for, segments."""
+
+    split: Split
+    seq_len: int
+    rows: str = "windows"
+    document_mask: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rows == "documents" and self.split.doc_starts is None:
+            raise TokenFileError(
+                "data.rows=documents needs the document index that `jaxkit data prepare` "
+                "writes (foreign token files have none); use data.rows=windows"
+            )
+        if self.document_mask and self.split.eod_id is None:
+            raise TokenFileError(
+                "data.document_mask needs the end-of-document id from meta.json, which "
+                "`jaxkit data prepare` writes; foreign token files have none"
+            )
+        if self.rows == "documents":
+            starts = self.split.doc_starts
+            assert starts is not None
+            self.doc_ends = np.append(starts[1:], len(self.split.tokens))
+
+    def __len__(self) -> int:
+        if self.rows == "documents":
+            assert self.split.doc_starts is not None
+            return len(self.split.doc_starts)
+        return max(len(self.split.tokens) - 1, 0) // self.seq_len
+
+    def _spans(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stream start and length (≤ L + 1) of each row."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.rows == "windows":
+            return rows * self.seq_len, np.full(len(rows), self.seq_len + 1)
+        assert self.split.doc_starts is not None
+        starts = self.split.doc_starts[rows]
+        return starts, np.minimum(self.doc_ends[rows] - starts, self.seq_len + 1)
+
+    def _read(self, stream: Stream, rows: np.ndarray, pad: int) -> np.ndarray:
+        starts, lengths = self._spans(rows)
+        out = np.full((len(starts), self.seq_len + 1), pad, dtype=np.int64)
+        for i, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+            out[i, :length] = stream.read(int(start), int(length))
+        return out
+
+    def __getitem__(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        pad = self.split.eod_id if self.split.eod_id is not None else 0
+        window = self._read(self.split.tokens, rows, pad).astype(np.int32)
+        out = {"inputs": window[:, :-1], "targets": window[:, 1:]}
+        weights = self._weights(rows)
+        if weights is not None:
+            out["weights"] = weights
+        if self.document_mask:
+            assert self.split.eod_id is not None
+            out["segment_ids"], out["positions"] = segments(out["inputs"], self.split.eod_id)
+        return out
+
+    def _weights(self, rows: np.ndarray) -> np.ndarray | None:
+        """One per target: its mask byte, 0 for padding; None when every target weighs 1."""
+        if self.split.masks is None and self.rows == "windows":
+            return None
+        if self.split.masks is not None:
+            mask = self._read(self.split.masks, rows, 0)[:, 1:]
+        else:
+            _, lengths = self._spans(rows)
+            mask = np.arange(1, self.seq_len + 1) < lengths[:, None]
+        return mask.astype(np.float32)
+
+    def row_weight_sums(self, rows: np.ndarray) -> np.ndarray:
+        """Σ weight per row: the row's length without a mask, else its mask bytes (one byte
+        a token, never the tokens themselves)."""
+        if self.split.masks is None:
+            _, lengths = self._spans(rows)
+            return (lengths - 1).astype(np.float64)
+        return self._read(self.split.masks, rows, 0)[:, 1:].sum(axis=1, dtype=np.float64)
