@@ -65,6 +65,7 @@ RESUMABLE_KEYS = (
     # Smooths a logged estimate; only the auto ramp reads it (from the resume on).
     "train.noise_scale_decay",
     "train.accumulation",  # both modes keep MultiSteps' state layout
+    "train.prefetch",  # when batches load, not which
     "model.remat",  # recomputes activations; the params and their updates are the same
     "checkpoint.",
 )

@@ -104,6 +104,9 @@ def base_config() -> ml_collections.ConfigDict:
     # for every split. naive: the mean of micro-batch means, as other kits compute it; it
     # differs wherever rows weigh differently (padding, prompts): for comparison only.
     c.train.loss_normalisation = "exact"  # exact | naive
+    # Batches loaded ahead by a background thread while the devices compute; 0 = each
+    # batch is loaded in the step's path.
+    c.train.prefetch = 2
     # Smoothing of the gradient noise scale estimate, per optimizer step (see noise_scale.py).
     c.train.noise_scale_decay = 0.95
     c.train.profile_steps = ""  # "START:END": trace optimizer steps START..END-1; "" = off
@@ -369,6 +372,7 @@ BASE_RULES: dict[str, Rule] = {
     "train.max_nonfinite_in_row": _POSITIVE,
     "train.accumulation": _one_of("multisteps", "fused"),
     "train.loss_normalisation": _one_of("exact", "naive"),
+    "train.prefetch": _COUNT,
     "train.noise_scale_decay": _FRACTION_OPEN,  # 1 divides by its bias correction, 1 − 1**n
     "train.profile_steps": _text(nullable=False),
     "checkpoint.every": _COUNT,

@@ -34,6 +34,7 @@ from jaxkit.costs import StepPrograms
 from jaxkit.distributed import check_agreement
 from jaxkit.layers import LM_DEFAULTS, lm_option
 from jaxkit.metrics import RunDir, truncate_metrics
+from jaxkit.prefetch import Prefetcher
 from jaxkit.records import (
     StepInfo,
     StepTracker,
@@ -232,6 +233,34 @@ def train(
             kept_micro = int(checkpointer.read_meta(at.step)["loop"].get("micro", 0))
         return saved
 
+    def load(key: tuple[int, int], at_plan: BatchPlan) -> dict[str, jax.Array]:
+        """The batch of micro-step `micro` (fused: the whole step) of the optimizer step
+        that starts reading at stream example `first`."""
+        first, micro = key
+        if fused:
+            return data_lib.load_global_batch(
+                train_source, first, at_plan, seed, setup.fused_batch_sharding, normalisation
+            )
+        return data_lib.load_micro_batch(
+            train_source, first, micro, at_plan, seed, setup.batch_sharding, normalisation
+        )
+
+    def upcoming(
+        step: int, first: int, micro: int, at_plan: BatchPlan
+    ) -> Iterator[tuple[tuple[int, int], BatchPlan]]:
+        """The batches after this one, under the batch schedule as it stands."""
+        while True:
+            micro += 1
+            if fused or micro == at_plan.grad_accum_steps:
+                step, first = step + 1, first + at_plan.global_batch_size
+                if step >= total:
+                    return
+                at_plan = schedule.plan_at(first)
+                micro = at_plan.grad_accum_steps - 1 if fused else 0
+            yield (first, micro), at_plan
+
+    normalisation = t.loss_normalisation
+    prefetcher = Prefetcher(load, depth=t.prefetch)
     start = time.perf_counter()
     bar = tqdm.tqdm(
         total=total,
@@ -293,25 +322,9 @@ def train(
                     # Fused accumulation makes a whole optimizer step in one call.
                     micros = [accum_steps - 1] if fused else range(first_micro, accum_steps)
                     for micro in micros:
-                        if fused:
-                            batch = data_lib.load_global_batch(
-                                train_source,
-                                examples,
-                                step_plan,
-                                seed,
-                                setup.fused_batch_sharding,
-                                t.loss_normalisation,
-                            )
-                        else:
-                            batch = data_lib.load_micro_batch(
-                                train_source,
-                                examples,
-                                micro,
-                                step_plan,
-                                seed,
-                                setup.batch_sharding,
-                                t.loss_normalisation,
-                            )
+                        batch = prefetcher.get(
+                            (examples, micro), step_plan, upcoming(step, examples, micro, step_plan)
+                        )
                         state, metrics = step_fn(state, batch, hyper)
                         if pending is not None:
                             finish(pending)
@@ -378,6 +391,7 @@ def train(
                         break
                 step = done
         finally:
+            prefetcher.close()
             if tracing:
                 jax.profiler.stop_trace()
             bar.close()
@@ -402,6 +416,8 @@ def train(
         total,
         schedule.to_json() if schedule.changes_batch else None,
     )
+    # The input pipeline's time on the critical path (the first load included).
+    summary["input_wait_s"] = prefetcher.waited_s
     if checkpointer:
         summary["checkpoint_blocking_s"] = checkpointer.blocking_s
         summary["checkpoints_saved"] = checkpointer.saves
