@@ -416,8 +416,10 @@ def train(
         total,
         schedule.to_json() if schedule.changes_batch else None,
     )
-    # The input pipeline's time on the critical path (the first load included).
+    # The input pipeline's time on the critical path, and the part of it after the first
+    # batch (which nothing loads ahead): 0 when loading keeps ahead of the devices.
     summary["input_wait_s"] = prefetcher.waited_s
+    summary["input_wait_after_first_s"] = prefetcher.waited_s - prefetcher.first_wait_s
     if checkpointer:
         summary["checkpoint_blocking_s"] = checkpointer.blocking_s
         summary["checkpoints_saved"] = checkpointer.saves

@@ -33,7 +33,8 @@ class Prefetcher:
     """`get(key, plan)` returns `load(key, plan)`, loaded ahead where `ahead(...)` said.
 
     `waited_s` sums the time the loop spent blocked on a batch: the input pipeline's cost
-    on the critical path (0 when loading keeps ahead of the devices).
+    on the critical path (0 when loading keeps ahead of the devices); `first_wait_s` is the
+    first batch's, which nothing could load ahead.
     """
 
     def __init__(self, load: Callable[[Any, Any], Any], depth: int = 2) -> None:
@@ -44,7 +45,7 @@ class Prefetcher:
             if depth > 0
             else None
         )
-        self.waited_s, self.misses = 0.0, 0
+        self.waited_s, self.first_wait_s, self.gets, self.misses = 0.0, 0.0, 0, 0
 
     def get(self, key: Hashable, plan: Any, ahead: Iterable[tuple[Hashable, Any]] = ()) -> Any:
         """The batch for `key` under `plan`; then starts loading the first `depth` of
@@ -56,7 +57,10 @@ class Prefetcher:
         else:
             self.misses += found is not None
             batch = self.load(key, plan)
-        self.waited_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.waited_s += waited
+        self.first_wait_s = waited if self.gets == 0 else self.first_wait_s
+        self.gets += 1
         if self.pool is not None:
             wanted = dict(itertools.islice(ahead, self.depth))
             for stale in [k for k, v in self.pending.items() if wanted.get(k) != v.plan]:
