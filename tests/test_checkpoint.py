@@ -385,13 +385,20 @@ def test_a_batch_change_continues_the_data_stream_without_skipping_or_repeating(
             served.extend(np.asarray(rows).tolist())
             return self.inner[rows]
 
+        def row_weight_sums(self, rows):  # the step's normaliser, known without reading rows
+            return self.inner.row_weight_sums(rows)
+
     real = loop_lib.data_lib.make_sources
     monkeypatch.setattr(
         loop_lib.data_lib, "make_sources", lambda c: (Recorded(real(c)[0]), real(c)[1])
     )
-    config = digits("train.steps=30", "train.eval_every=0")  # 30 × 32 > one epoch (1527)
+    # Rows read in the step's path only: prefetch reads ahead rows a stopped run never
+    # trains on (test_prefetch checks that it hands out exactly these batches).
+    config = digits("train.steps=30", "train.eval_every=0", "train.prefetch=0")  # 30 × 32 > 1527
     run(config, tmp_path, stop_after_micro_steps=20)  # 20 steps of 32 rows: 640 examples
-    bigger = digits("train.steps=30", "train.eval_every=0", "batch.global_batch_size=64")
+    bigger = digits(
+        "train.steps=30", "train.eval_every=0", "batch.global_batch_size=64", "train.prefetch=0"
+    )
     run(bigger, tmp_path, allow_batch_change=True)  # 10 steps of 64 rows
     # Independently of jaxkit: epoch permutations of the 1527 training rows, end to end.
     n = len(make_sources(config)[0])

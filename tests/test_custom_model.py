@@ -180,7 +180,11 @@ def test_params_without_annotation_are_replicated_the_rest_as_annotated(model_di
 def test_a_custom_kind_reads_the_language_model_data(model_dir):
     config = lm_config(KIND, "data.source=synthetic", "data.num_examples=64")
     assert is_lm(config.model.kind)
-    assert batch_row_spec(config) == {"inputs": ((16,), "int32"), "targets": ((16,), "int32")}
+    assert batch_row_spec(config) == {
+        "inputs": ((16,), "int32"),
+        "targets": ((16,), "int32"),
+        "loss_weights": ((16,), "float32"),
+    }
     rows = make_sources(config)[0][np.arange(2)]
     assert rows["inputs"].shape == (2, 16) and rows["inputs"].dtype == np.int32
     # Counting sequences: each row's targets are its inputs one position on.
