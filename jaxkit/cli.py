@@ -1,4 +1,5 @@
-"""`jaxkit plan`, `train`, `experiment` and `report`: a thin layer over importable functions.
+"""`jaxkit plan`, `train`, `experiment`, `report` and `data prepare`: a thin layer over
+importable functions.
 
 Every refusal, from a usage error to a config value out of range, is one line on stderr
 and exit status 2, given before JAX compiles or trains anything.
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from jaxkit.targets import Target
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
-COMMANDS = ("plan", "train", "experiment", "report")
+COMMANDS = ("plan", "train", "experiment", "report", "data")
 EXPERIMENTS = ("equivalence", "memory", "throughput", "batch-size", "noise-scale", "batch-ramp")
 # The experiments that read each experiment option: elsewhere a value would be ignored.
 EXPERIMENT_OPTIONS = {
@@ -57,6 +58,17 @@ def _int_at_least(low: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number strictly between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
 
 
 def _directory(text: str) -> str:
@@ -220,6 +232,69 @@ def _add_report(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return report
 
 
+def _add_data(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from jaxkit import prepare
+
+    data = sub.add_parser(
+        "data",
+        help="prepare text into token shards for training",
+        usage="%(prog)s prepare INPUT [INPUT ...] --tokenizer {bytes,PATH} --out DIR [options]",
+    )
+    data.add_argument(
+        "action",
+        choices=("prepare",),
+        help="prepare: tokenize INPUTs into train and eval shards in DIR (see token_format.py)",
+    )
+    data.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help='files, directories (recursively) and globs: a .jsonl line holds a "text" or '
+        'a "prompt" and a "completion", a .parquet row a "text"; any other file is one document',
+    )
+    data.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="{bytes,PATH}",
+        help="bytes (a token per byte) or a Hugging Face tokenizer.json, loaded offline",
+    )
+    data.add_argument("--out", required=True, type=_directory, metavar="DIR")
+    data.add_argument(
+        "--eod-token",
+        metavar="TEXT",
+        help="the tokenizer.json's end-of-document token (default: the first of "
+        f"{', '.join(prepare.EOD_CANDIDATES)} in its vocabulary)",
+    )
+    data.add_argument(
+        "--eval-fraction",
+        type=_fraction,
+        default=prepare.DEFAULT_EVAL_FRACTION,
+        metavar="F",
+        help="of the documents, held out whole (default %(default)s)",
+    )
+    data.add_argument(
+        "--seed", type=_int_at_least(0), default=0, help="draws the held-out documents"
+    )
+    data.add_argument(
+        "--shard-tokens",
+        type=_int_at_least(1),
+        default=prepare.DEFAULT_SHARD_TOKENS,
+        metavar="N",
+        help="the most tokens in a shard, which ends at a document's end (default %(default)s)",
+    )
+    data.add_argument(
+        "--workers",
+        type=_int_at_least(1),
+        metavar="N",
+        help="tokenizing processes (default: one per CPU)",
+    )
+    data.add_argument(
+        "--overwrite", action="store_true", help="replace a prepared DIR once the new one is done"
+    )
+    data.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return data
+
+
 def make_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser (for `jaxkit --help`) and each command's own parser."""
     parser = argparse.ArgumentParser(
@@ -228,7 +303,7 @@ def make_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "per_device_batch × grad_accum_steps is a first-class object.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    adders = (_add_plan, _add_train, _add_experiment, _add_report)
+    adders = (_add_plan, _add_train, _add_experiment, _add_report, _add_data)
     commands = {name: add(sub) for name, add in zip(COMMANDS, adders, strict=True)}
     return parser, commands
 
@@ -299,6 +374,29 @@ def _report(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _data(opts: argparse.Namespace) -> int:
+    from jaxkit.prepare import PrepareError, prepare, summary
+
+    try:
+        _check_can_write(opts.out, "--out")
+        meta = prepare(
+            opts.inputs,
+            opts.tokenizer,
+            opts.out,
+            eval_fraction=opts.eval_fraction,
+            seed=opts.seed,
+            shard_tokens=opts.shard_tokens,
+            eod_token=opts.eod_token,
+            workers=opts.workers,
+            overwrite=opts.overwrite,
+            progress=not opts.no_progress,
+        )
+    except (PrepareError, UsageError) as err:
+        return _error(err)
+    print(summary(meta, opts.out))
+    return 0
+
+
 def _split_args(args: list[str]) -> tuple[str, list[str]]:
     from jaxkit.config import DEFAULT_CONFIG
 
@@ -362,6 +460,8 @@ def _main(argv: list[str] | None) -> int:
     opts = parse_args(argv)
     if opts.command == "report":
         return _report(opts)  # reads files only: JAX need not start
+    if opts.command == "data":
+        return _data(opts)  # nor here
     from jaxkit.config import ConfigError
 
     try:

@@ -1,0 +1,625 @@
+"""`jaxkit data prepare`: text, JSON lines and Parquet files to the token shards that
+jaxkit/token_format.py lays out.
+
+Inputs are counted first (so the held-out documents can be drawn before any is read),
+then read in order and tokenized a chunk at a time in worker processes; each document goes
+whole to its split's current shard. Everything is built in DIR.partial-PID beside DIR and
+renamed to DIR only once meta.json is written: a failed or interrupted run leaves nothing a
+training run could read.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import glob
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, NamedTuple
+
+import numpy as np
+
+from jaxkit import token_format
+
+# The end-of-document tokens of common tokenizers (GPT-2, Llama 2, Gemma, Llama 3), in the
+# order they are looked for when --eod-token is not given.
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+DEFAULT_EVAL_FRACTION = 0.01  # of the documents, held out whole
+DEFAULT_SHARD_TOKENS = 2**26  # at most per shard: 128 MiB of uint16 tokens
+CHUNK_DOCUMENTS = 512  # documents sent to a worker at once, or fewer once they hold
+CHUNK_CHARS = 1 << 20  # this many characters (bytes for a text file read as bytes)
+LITTLE_ENDIAN = {"uint16": "<u2", "uint32": "<u4"}  # the file's byte order on any host
+WRITE_BUFFER_BYTES = 1 << 20
+
+
+class PrepareError(ValueError):
+    """Inputs, a tokenizer or an output directory that cannot be prepared (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document: its text, after a prompt when it is a prompt/completion pair."""
+
+    text: str | bytes  # bytes: a text file for the bytes tokenizer, taken as it is on disk
+    prompt: str | None = None  # masked out (0) in the .mask file
+
+
+class Encoded(NamedTuple):
+    """A chunk of documents as tokens, each followed by the end-of-document token."""
+
+    tokens: np.ndarray  # every document's tokens, one after the other, little-endian
+    lengths: np.ndarray  # int64, each document's token count, its end-of-document included
+    prompt_lengths: np.ndarray  # int64, each document's leading prompt tokens (mask 0)
+    has_prompt: np.ndarray  # bool, whether each document is a prompt/completion pair
+
+
+@dataclass
+class Encoder:
+    """The bytes tokenizer or a Hugging Face tokenizer.json, with its end-of-document id.
+
+    Pickled to each worker process as its spec; the tokenizer.json is loaded there again.
+    """
+
+    spec: str  # "bytes" or a tokenizer.json path
+    vocab_size: int
+    eod_id: int
+    _hf: Any = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def load(cls, spec: str, eod_token: str | None = None) -> Encoder:
+        if spec == "bytes":
+            if eod_token is not None:
+                raise PrepareError(
+                    "--eod-token applies to a tokenizer.json; the bytes tokenizer's "
+                    f"end-of-document id is {token_format.BYTES_EOD_ID}"
+                )
+            return cls(spec, token_format.BYTES_VOCAB_SIZE, token_format.BYTES_EOD_ID)
+        hf = _load_tokenizer_json(spec)
+        names = EOD_CANDIDATES if eod_token is None else (eod_token,)
+        ids = [hf.token_to_id(name) for name in names]
+        found = [i for i in ids if i is not None]
+        if not found and eod_token is not None:
+            raise PrepareError(f"--eod-token {eod_token!r} is not in the vocabulary of {spec}")
+        if not found:
+            raise PrepareError(
+                f"--tokenizer {spec} has none of {', '.join(EOD_CANDIDATES)} in its vocabulary: "
+                "name its end-of-document token with --eod-token"
+            )
+        return cls(spec, hf.get_vocab_size(), found[0], hf)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_hf": None}
+
+    @property
+    def dtype(self) -> str:
+        return token_format.token_dtype_for(self.vocab_size)
+
+    def encode(self, documents: Sequence[Document]) -> Encoded:
+        """The prompt and the text are encoded apart, so the mask's boundary is exact."""
+        pieces = [
+            p
+            for d in documents
+            for p in ((d.prompt, d.text) if d.prompt is not None else (d.text,))
+        ]
+        ids = iter(self._encode_pieces(pieces))
+        eod = np.array([self.eod_id], np.int64)
+        parts, lengths, prompt_lengths = [], [], []
+        for d in documents:
+            prompt = next(ids) if d.prompt is not None else eod[:0]
+            text = next(ids)
+            parts += [prompt, text, eod]
+            lengths.append(len(prompt) + len(text) + 1)
+            prompt_lengths.append(len(prompt))
+        tokens = np.concatenate(parts)
+        if tokens.max() >= self.vocab_size:  # a file of narrower ids would wrap it silently
+            raise PrepareError(
+                f"--tokenizer {self.spec} gave id {tokens.max()}, outside its vocabulary of "
+                f"{self.vocab_size}"
+            )
+        return Encoded(
+            tokens.astype(LITTLE_ENDIAN[self.dtype]),
+            np.array(lengths, np.int64),
+            np.array(prompt_lengths, np.int64),
+            np.array([d.prompt is not None for d in documents]),
+        )
+
+    def _encode_pieces(self, pieces: list[str | bytes]) -> list[np.ndarray]:
+        if self.spec == "bytes":
+            return [
+                np.frombuffer(p.encode() if isinstance(p, str) else p, np.uint8).astype(np.int64)
+                for p in pieces
+            ]
+        if self._hf is None:
+            self._hf = _load_tokenizer_json(self.spec)
+        assert all(isinstance(p, str) for p in pieces)  # the reader decodes for a tokenizer.json
+        # No special tokens: a BOS from the post-processor would start the completion too.
+        encodings = self._hf.encode_batch(pieces, add_special_tokens=False)
+        return [np.asarray(e.ids, np.int64) for e in encodings]
+
+
+def _load_tokenizer_json(path: str) -> Any:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise PrepareError(
+            f"--tokenizer {path} needs the tokenizers library: pip install tokenizers"
+        ) from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as err:  # the library raises a bare Exception, missing file or bad JSON
+        raise PrepareError(f"--tokenizer {path}: not a tokenizer.json that loads: {err}") from None
+
+
+def expand_inputs(inputs: Sequence[str]) -> list[Path]:
+    """The files named by each input, in the order given, each file once.
+
+    A file is itself; a directory gives its files, recursively and sorted, hidden ones
+    (`.git`, `.DS_Store`) left out; a glob (`*`, `?`, `[`) gives its sorted matches.
+    """
+    files: dict[Path, None] = {}
+    for given in inputs:
+        if any(c in given for c in "*?["):
+            matches = sorted(glob.glob(given, recursive=True))
+            if not matches:
+                raise PrepareError(f"{given}: matched no file")
+        elif os.path.lexists(given):
+            matches = [given]
+        else:
+            raise PrepareError(f"{given}: no such file or directory")
+        for match in matches:
+            found = _walk(Path(match)) if os.path.isdir(match) else [Path(match)]
+            if not found:
+                raise PrepareError(f"{match}: a directory with no files")
+            files |= dict.fromkeys(found)
+    return list(files)
+
+
+def _walk(root: Path) -> list[Path]:
+    found = []
+    for parent, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(parent, n) for n in names if not n.startswith(".")]
+    return sorted(found)
+
+
+def _kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    return suffix if suffix in (".jsonl", ".parquet") else "text"
+
+
+def count_documents(path: Path) -> int:
+    """How many documents `path` holds, read without tokenizing (a Parquet file's footer)."""
+    try:
+        if _kind(path) == ".parquet":
+            return _parquet_file(path).metadata.num_rows
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip()) if _kind(path) == ".jsonl" else 1
+    except OSError as err:
+        raise PrepareError(f"{path}: cannot read: {err.strerror or err}") from None
+
+
+def read_documents(paths: Iterable[Path], as_text: bool) -> Iterator[Document]:
+    """Every document of `paths`, in order. `as_text`: text files decoded as UTF-8 (for a
+    tokenizer.json); otherwise kept as bytes (for the bytes tokenizer)."""
+    for path in paths:
+        try:
+            if _kind(path) == ".jsonl":
+                yield from _jsonl_documents(path)
+            elif _kind(path) == ".parquet":
+                yield from _parquet_documents(path)
+            else:
+                yield _text_document(path, as_text)
+        except OSError as err:
+            raise PrepareError(f"{path}: cannot read: {err.strerror or err}") from None
+
+
+def _text_document(path: Path, as_text: bool) -> Document:
+    raw = path.read_bytes()
+    if not as_text:
+        return Document(raw)
+    try:
+        return Document(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise PrepareError(
+            f"{path}: not UTF-8 text (byte {err.start}); a tokenizer.json encodes text, "
+            "--tokenizer bytes takes any bytes"
+        ) from None
+
+
+def _jsonl_documents(path: Path) -> Iterator[Document]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except ValueError as err:  # bad JSON or bad UTF-8
+                raise PrepareError(f"{where}: not JSON: {err}") from None
+            yield _record_document(record, where)
+
+
+def _record_document(record: object, where: str) -> Document:
+    """A JSON line's document: its "text", or its "prompt" and "completion"."""
+    if not isinstance(record, dict):
+        raise PrepareError(
+            f'{where}: a JSON {type(record).__name__}, not an object with a "text" field '
+            '(or "prompt" and "completion")'
+        )
+    if "prompt" in record or "completion" in record:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            raise PrepareError(f'{where}: "prompt" and "completion" must both be strings')
+        return Document(completion, prompt)
+    text = record.get("text")
+    if not isinstance(text, str):
+        raise PrepareError(
+            f'{where}: no "text" field (a string), nor "prompt" and "completion"'
+            if text is None
+            else f'{where}: "text" is a {type(text).__name__}, not a string'
+        )
+    return Document(text)
+
+
+def _parquet_file(path: Path) -> Any:
+    """The open Parquet file, refused unless it has a `text` column."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise PrepareError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
+    try:
+        parquet = pyarrow.parquet.ParquetFile(path)
+    except pyarrow.ArrowException as err:
+        raise PrepareError(f"{path}: not a Parquet file: {err}") from None
+    names = parquet.schema_arrow.names
+    if "text" not in names:
+        raise PrepareError(f'{path}: no "text" column (its columns: {", ".join(names)})')
+    return parquet
+
+
+def _parquet_documents(path: Path) -> Iterator[Document]:
+    row = 0
+    for batch in _parquet_file(path).iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if not isinstance(text, str):
+                raise PrepareError(
+                    f'{path}: row {row}: "text" is {text!r}, not a string'
+                    if text is None
+                    else f'{path}: row {row}: "text" is a {type(text).__name__}, not a string'
+                )
+            row += 1
+            yield Document(text)
+
+
+def held_out(num_documents: int, eval_fraction: float, seed: int) -> np.ndarray:
+    """Which documents go to eval (a bool for each, in input order): the nearest whole
+    number to num_documents × eval_fraction of them, drawn with the seeded generator."""
+    num_eval = int(num_documents * eval_fraction + 0.5)
+    if not 1 <= num_eval < num_documents:
+        raise PrepareError(
+            f"--eval-fraction {eval_fraction} of {num_documents} document"
+            f"{'s' if num_documents != 1 else ''} holds out {num_eval}: train and eval need "
+            "at least one document each (give more documents or another --eval-fraction)"
+        )
+    rng = np.random.default_rng(seed)
+    is_eval = np.zeros(num_documents, bool)
+    is_eval[rng.choice(num_documents, size=num_eval, replace=False, shuffle=False)] = True
+    return is_eval
+
+
+class _SplitWriter:
+    """One split's shards. A document goes whole into the current shard, which is closed
+    first when the document would take it past `shard_tokens` (a longer document than that
+    fills a shard of its own)."""
+
+    def __init__(self, directory: Path, split: str, shard_tokens: int) -> None:
+        self.directory, self.split, self.shard_tokens = directory, split, shard_tokens
+        self.shards: list[str] = []
+        self.num_tokens = self.num_documents = 0
+        self._sizes: list[int] = []  # tokens in each closed shard
+        self._with_mask: set[str] = set()  # closed shards that have their .mask
+        self._bin: IO[bytes] | None = None
+        self._mask: IO[bytes] | None = None
+        self._starts: list[int] = []
+        self._size = 0
+
+    def add(self, tokens: np.ndarray, prompt_length: int, masked: bool) -> None:
+        """`masked`: some document so far had a prompt, so this shard gets a .mask."""
+        if self._bin is not None and self._size + len(tokens) > self.shard_tokens:
+            self._close_shard()
+        if self._bin is None:
+            self.shards.append(token_format.shard_stem(self.split, len(self.shards)))
+            self._bin = self._open(token_format.TOKEN_SUFFIX)
+        if masked and self._mask is None:  # the first prompt: the documents before had none
+            self._mask = self._open(token_format.MASK_SUFFIX)
+            _write_ones(self._mask, self._size)
+        self._starts.append(self._size)
+        self._bin.write(tokens.tobytes())
+        if self._mask is not None:
+            mask = np.ones(len(tokens), np.uint8)
+            mask[:prompt_length] = 0
+            self._mask.write(mask.tobytes())
+        self._size += len(tokens)
+        self.num_tokens += len(tokens)
+        self.num_documents += 1
+
+    def finish(self, masked: bool) -> None:
+        """Closes the last shard; with `masked`, shards closed before the first prompt get
+        their all-ones .mask."""
+        if self._bin is not None:
+            self._close_shard()
+        for stem, size in zip(self.shards, self._sizes, strict=True):
+            if masked and stem not in self._with_mask:
+                with open(self.directory / (stem + token_format.MASK_SUFFIX), "wb") as f:
+                    _write_ones(f, size)
+
+    def close(self) -> None:
+        """Closes what is open, after a failure (the directory goes anyway)."""
+        for f in (self._bin, self._mask):
+            if f is not None:
+                f.close()
+
+    def _open(self, suffix: str) -> IO[bytes]:
+        return open(self.directory / (self.shards[-1] + suffix), "wb", WRITE_BUFFER_BYTES)
+
+    def _close_shard(self) -> None:
+        assert self._bin is not None
+        stem = self.shards[-1]
+        self._bin.close()
+        if self._mask is not None:
+            self._mask.close()
+            self._with_mask.add(stem)
+        with open(self.directory / (stem + token_format.DOCS_SUFFIX), "wb") as f:
+            np.save(f, np.array(self._starts, np.int64))
+        self._sizes.append(self._size)
+        self._bin = self._mask = None
+        self._starts, self._size = [], 0
+
+
+def _write_ones(f: IO[bytes], count: int) -> None:
+    block = np.ones(min(count, WRITE_BUFFER_BYTES), np.uint8).tobytes()
+    for start in range(0, count, len(block) or 1):
+        f.write(block[: count - start])
+
+
+def _chunks(documents: Iterable[Document]) -> Iterator[list[Document]]:
+    chunk: list[Document] = []
+    chars = 0
+    for d in documents:
+        chunk.append(d)
+        chars += len(d.text) + len(d.prompt or "")
+        if len(chunk) >= CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+_WORKER_ENCODER: Encoder | None = None  # each worker process's own, set as it starts
+
+
+def _start_worker(encoder: Encoder) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = encoder
+    # Ctrl-C reaches the whole process group: the parent stops the pool and cleans up,
+    # the workers should not each print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _encode_in_worker(chunk: list[Document]) -> Encoded:
+    assert _WORKER_ENCODER is not None
+    return _WORKER_ENCODER.encode(chunk)
+
+
+def encode_chunks(
+    encoder: Encoder, chunks: Iterable[list[Document]], workers: int
+) -> Generator[Encoded, None, None]:
+    """Each chunk encoded, in order, by `workers` processes (1: in this one). At most two
+    chunks per worker are in flight, so the inputs are read as fast as they are encoded."""
+    if workers == 1:
+        yield from map(encoder.encode, chunks)
+        return
+    # spawn, not fork: a forked copy of a process running JAX's threads can deadlock.
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(encoder,)
+    )
+    pending: collections.deque[Future[Encoded]] = collections.deque()
+    try:
+        for chunk in chunks:
+            pending.append(pool.submit(_encode_in_worker, chunk))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def prepare(
+    inputs: Sequence[str],
+    tokenizer: str,
+    out: str | os.PathLike[str],
+    *,
+    eval_fraction: float = DEFAULT_EVAL_FRACTION,
+    seed: int = 0,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    eod_token: str | None = None,
+    workers: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenizes `inputs` into the directory `out` (see token_format) and returns its meta.
+
+    Args:
+      inputs: files, directories and globs (see `expand_inputs`); `.jsonl` files hold a
+        document per line, `.parquet` files one per row of their `text` column, any other
+        file is one document.
+      tokenizer: "bytes" (a token per byte) or a Hugging Face tokenizer.json path.
+      eval_fraction: of the documents, held out whole in the eval split, drawn with `seed`.
+      shard_tokens: the most tokens a shard holds, unless one document alone has more.
+      eod_token: the tokenizer.json's end-of-document token (default: the first of
+        EOD_CANDIDATES in its vocabulary).
+      workers: tokenizing processes (default: one per CPU).
+      overwrite: replace a prepared directory at `out`, once the new one is complete.
+    """
+    if not 0 < eval_fraction < 1:
+        raise PrepareError(f"--eval-fraction {eval_fraction}: must be between 0 and 1")
+    if shard_tokens < 1 or (workers is not None and workers < 1):
+        raise PrepareError("--shard-tokens and --workers must be at least 1")
+    out = Path(os.path.abspath(out))
+    _check_out(out, overwrite)
+    encoder = Encoder.load(tokenizer, eod_token)
+    paths = expand_inputs(inputs)
+    num_documents = sum(count_documents(p) for p in paths)
+    if num_documents == 0:
+        raise PrepareError(f"no documents in {len(paths)} input file(s)")
+    is_eval = held_out(num_documents, eval_fraction, seed)
+    documents = read_documents(paths, as_text=encoder.spec != "bytes")
+    workers = workers or os.cpu_count() or 1
+    with (
+        _building(out) as directory,
+        contextlib.closing(encode_chunks(encoder, _chunks(documents), workers)) as chunks,
+        _progress_bar(num_documents, progress) as bar,
+    ):
+        writers, masked = _write_splits(directory, chunks, is_eval, shard_tokens, bar)
+        meta = {
+            "format": token_format.FORMAT,
+            "version": token_format.VERSION,
+            "dtype": encoder.dtype,
+            "vocab_size": encoder.vocab_size,
+            "eod_id": encoder.eod_id,
+            "tokenizer": tokenizer,
+            "masked": masked,
+            "eval_fraction": eval_fraction,
+            "seed": seed,
+            "num_tokens": {s: w.num_tokens for s, w in writers.items()},
+            "num_documents": {s: w.num_documents for s, w in writers.items()},
+            "shards": {s: w.shards for s, w in writers.items()},
+        }
+        (directory / token_format.META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _write_splits(
+    directory: Path, chunks: Iterable[Encoded], is_eval: np.ndarray, shard_tokens: int, bar: Any
+) -> tuple[dict[str, _SplitWriter], bool]:
+    """Each encoded document into its split's shards; whether any had a prompt."""
+    writers = {s: _SplitWriter(directory, s, shard_tokens) for s in token_format.SPLITS}
+    masked, index = False, 0
+    try:
+        for encoded in chunks:
+            starts = np.cumsum(encoded.lengths) - encoded.lengths
+            for start, length, prompt_length, has_prompt in zip(
+                starts, encoded.lengths, encoded.prompt_lengths, encoded.has_prompt, strict=True
+            ):
+                if index == len(is_eval):
+                    raise PrepareError("the inputs grew while they were read")
+                masked |= bool(has_prompt)
+                writer = writers["eval" if is_eval[index] else "train"]
+                writer.add(encoded.tokens[start : start + length], int(prompt_length), masked)
+                index += 1
+            bar.update(len(encoded.lengths))
+        if index != len(is_eval):
+            raise PrepareError("the inputs shrank while they were read")
+        for writer in writers.values():
+            writer.finish(masked)
+    finally:
+        for writer in writers.values():
+            writer.close()
+    return writers, masked
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    import tqdm
+
+    return tqdm.tqdm(
+        total=total, unit="doc", desc="tokenizing", disable=not enabled, file=sys.stderr
+    )
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuses an `out` that is a file, or a non-empty directory without --overwrite.
+
+    --overwrite replaces only a prepared directory (one with meta.json): `--out .` must
+    not delete a directory of other files.
+    """
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--out {out}: a file, not a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise PrepareError(f"--out {out} is not empty: give --overwrite to replace it")
+    if not (out / token_format.META_NAME).is_file():
+        raise PrepareError(
+            f"--out {out} holds files but no {token_format.META_NAME}: --overwrite replaces "
+            "only a prepared directory"
+        )
+
+
+@contextlib.contextmanager
+def _building(out: Path) -> Iterator[Path]:
+    """A new directory beside `out`, renamed to `out` when the block ends without error
+    (replacing what was there) and deleted, with the parents it created, on any error or
+    interrupt."""
+    created = [p for p in out.parents if not p.exists()]
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    try:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise PrepareError(f"--out {out}: cannot create {out.parent}: {err}") from None
+        shutil.rmtree(partial, ignore_errors=True)  # a run with this pid that was killed
+        partial.mkdir()
+        yield partial
+        _replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        for parent in created:  # the deepest first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
+
+
+def _replace(new: Path, out: Path) -> None:
+    """Renames `new` to `out`; an `out` already there is moved aside first and deleted."""
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = out.with_name(f"{out.name}.replaced-{os.getpid()}")
+    os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old)
+
+
+def summary(meta: dict[str, Any], out: str | os.PathLike[str]) -> str:
+    """What was written: documents, tokens and shards of each split, and where."""
+    lines = [
+        f"{split}: {_count(meta['num_documents'][split], 'document')}, "
+        f"{_count(meta['num_tokens'][split], 'token')}, "
+        f"{_count(len(meta['shards'][split]), 'shard')}"
+        for split in token_format.SPLITS
+    ]
+    masked = ", with masks" if meta["masked"] else ""
+    lines.append(
+        f"prepared: {os.path.abspath(out)} ({meta['dtype']} tokens, vocabulary "
+        f"{meta['vocab_size']:,}, end of document {meta['eod_id']}{masked})"
+    )
+    return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
