@@ -162,12 +162,14 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
     """The files named by each input, in the order given, each file once.
 
     A file is itself; a directory gives its files, recursively and sorted, hidden ones
-    (`.git`, `.DS_Store`) left out; a glob (`*`, `?`, `[`) gives its sorted matches.
+    (`.git`, `.DS_Store`) and Python's bytecode caches (`__pycache__`) left out; a glob
+    (`*`, `?`, `[`, `**` for any depth) gives its sorted matches.
     """
     files: dict[Path, None] = {}
     for given in inputs:
         if any(c in given for c in "*?["):
             matches = sorted(glob.glob(given, recursive=True))
+            matches = [m for m in matches if not _skipped_dir(m)]
             if not matches:
                 raise PrepareError(f"{given}: matched no file")
         elif os.path.lexists(given):
@@ -182,10 +184,16 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
     return list(files)
 
 
+def _skipped_dir(path: str) -> bool:
+    """A hidden directory or a bytecode cache: never text to train on."""
+    name = os.path.basename(path.rstrip("/"))
+    return os.path.isdir(path) and (name.startswith(".") or name == "__pycache__")
+
+
 def _walk(root: Path) -> list[Path]:
     found = []
     for parent, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        dirs[:] = [d for d in dirs if not _skipped_dir(os.path.join(parent, d))]
         found += [Path(parent, n) for n in names if not n.startswith(".")]
     return sorted(found)
 

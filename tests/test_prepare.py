@@ -230,6 +230,8 @@ def test_directories_and_globs_expand_sorted_recursively_and_once(tmp_path):
     (root / ".hidden.txt").write_text("left out")
     (root / ".git").mkdir()
     (root / ".git" / "HEAD").write_text("left out")
+    (root / "sub" / "__pycache__").mkdir()
+    (root / "sub" / "__pycache__" / "z.cpython-311.pyc").write_bytes(b"\x00left out")
     found = expand_inputs([str(root)])
     names = [str(p.relative_to(root)) for p in found]
     assert names == ["a.txt", "a2/x.jsonl", "b.txt", "sub/deeper/y.md", "sub/z.txt"]
