@@ -59,8 +59,8 @@ class Unit:
 
 
 def default_splits(global_batch: int, live_devices: int) -> list[Split]:
-    """K = 1, 2, 4 on the most live devices that G divides into 4 rows each, then half as
-    many devices with K doubled again (or one device, where the count is odd)."""
+    """K = 1, 2, 4 on the most live devices D for which G / D is a multiple of 4, then half
+    as many devices with K = 8 (or one device, where D is odd), the same per-device batch."""
     fits = [d for d in range(live_devices, 0, -1) if global_batch % (4 * d) == 0]
     if not fits:
         raise ExperimentError(
@@ -158,7 +158,7 @@ def verdict(numbers: dict[str, Any], splits: Sequence[Split], weights: np.ndarra
         return "No naive run has finished yet."
     exact = numbers["exact_spread"]
     exact_said = (
-        "one exact run so far"
+        "there is one exact run, so no spread of exact runs to compare"
         if exact is None
         else "the exact runs agree bit for bit"
         if exact["abs"] == 0
