@@ -27,11 +27,26 @@ if TYPE_CHECKING:
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
 COMMANDS = ("plan", "train", "experiment", "report", "data")
-EXPERIMENTS = ("equivalence", "memory", "throughput", "batch-size", "noise-scale", "batch-ramp")
+EXPERIMENTS = (
+    "equivalence",
+    "memory",
+    "throughput",
+    "batch-size",
+    "noise-scale",
+    "batch-ramp",
+    "normalisation",
+)
 # The experiments that read each experiment option: elsewhere a value would be ignored.
 EXPERIMENT_OPTIONS = {
-    "steps": ("equivalence", "throughput", "batch-size", "noise-scale", "batch-ramp"),
-    "splits": ("equivalence",),
+    "steps": (
+        "equivalence",
+        "throughput",
+        "batch-size",
+        "noise-scale",
+        "batch-ramp",
+        "normalisation",
+    ),
+    "splits": ("equivalence", "normalisation"),
     "global_batch_sizes": ("batch-size",),
     "lr_scaling": ("batch-size", "batch-ramp"),
     "max_per_device_batch": ("memory", "throughput"),
@@ -178,7 +193,8 @@ def _add_experiment(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "throughput: speed against the same; batch-size: several global batches on the same "
         "examples; noise-scale: the critical batch size from the gradient noise scale; "
         "batch-ramp: fixed small, fixed large, scheduled and automatic growing batches on the "
-        "same examples",
+        "same examples; normalisation: exact against naive loss normalisation over splits "
+        "that vary the accumulation steps",
     )
     _common(experiment)
     experiment.add_argument(
@@ -192,7 +208,9 @@ def _add_experiment(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "as many examples)",
     )
     experiment.add_argument(
-        "--splits", metavar="DxBxK,...", help="equivalence: e.g. 1x32x1,4x8x1,2x8x2,1x8x4"
+        "--splits",
+        metavar="DxBxK,...",
+        help="equivalence, normalisation: e.g. 1x32x1,4x8x1,2x8x2,1x8x4",
     )
     experiment.add_argument(
         "--global-batch-sizes", metavar="G,G,...", help="batch-size: e.g. 16,32,64,128"

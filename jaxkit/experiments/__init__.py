@@ -45,7 +45,7 @@ class Options:
     """What the experiment commands take besides the config."""
 
     steps: int | None = None  # optimizer steps per training unit (each has its default)
-    splits: str | None = None  # equivalence: "DxBxK,..." devices × per-device × accumulation
+    splits: str | None = None  # equivalence, normalisation: "DxBxK,..." D × per-device × K
     global_batch_sizes: str | None = None  # batch-size: "16,32,64"
     lr_scaling: str | None = None  # batch-size: none | linear | sqrt
     max_per_device_batch: int | None = None  # memory/throughput: the largest batch swept
@@ -268,6 +268,7 @@ def run(
         equivalence,
         memory,
         noise,
+        normalisation,
         throughput,
     )
 
@@ -278,6 +279,7 @@ def run(
         "batch-size": batch_size.run,
         "noise-scale": noise.run,
         "batch-ramp": batch_ramp.run,
+        "normalisation": normalisation.run,
     }
     if name not in runners:
         raise ExperimentError(f"no experiment {name!r}; choose one of {', '.join(runners)}")

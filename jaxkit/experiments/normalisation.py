@@ -1,0 +1,376 @@
+"""Exact against naive loss normalisation, over several splits of one global batch.
+
+Each split (devices × per-device batch × accumulation K) trains twice from the same start on
+the same data order: train.loss_normalisation=exact (a step's loss is Σ weight × loss /
+Σ weight over its whole global batch) and naive (the mean of its K micro-batch means). The
+exact runs agree to round-off whatever the split; the naive ones move with K wherever rows
+weigh differently (padded documents, masked prompts). With K = 1, or rows that all weigh
+the same, naive is exact, and the report says so instead of showing a drift.
+
+Default splits, for D live devices and a global batch G = D × b: D×b×1, D×b/2×2, D×b/4×4,
+and D/2×b/4×8 (fewer devices, larger K). The exact and naive runs of a split compile the
+same programs: with JAX_COMPILATION_CACHE_DIR set, the second one reuses the first's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from etils import epath
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from jaxkit.batch_schedule import plan_from_config
+from jaxkit.data import NORMALISATIONS, make_sources, row_weight_sums, stream_rows
+from jaxkit.experiments import (
+    ExperimentError,
+    Options,
+    Report,
+    Split,
+    drive,
+    parse_splits,
+    split_mesh,
+    train_split,
+)
+from jaxkit.viz import FLOOR
+from jaxkit.workdir import write_text_atomic
+
+DEFAULT_STEPS = 20
+F32_EPS = float(np.finfo(np.float32).eps)
+JSON_NAME = "normalisation.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One training run: a split under one normalisation."""
+
+    split: Split
+    normalisation: str
+
+    def __str__(self) -> str:
+        return f"{self.split.name} {self.normalisation}"
+
+
+def default_splits(global_batch: int, live_devices: int) -> list[Split]:
+    """K = 1, 2, 4 on the most live devices D for which G / D is a multiple of 4, then half
+    as many devices with K = 8 (or one device, where D is odd), the same per-device batch."""
+    fits = [d for d in range(live_devices, 0, -1) if global_batch % (4 * d) == 0]
+    if not fits:
+        raise ExperimentError(
+            f"global_batch_size={global_batch} is not divisible by 4: give --splits, "
+            "e.g. --splits 8x4x1,8x1x4,4x1x8"
+        )
+    d = fits[0]
+    b = global_batch // d
+    splits = [Split(d, b, 1), Split(d, b // 2, 2), Split(d, b // 4, 4)]
+    if d > 1:
+        fewer = d // 2 if d % 2 == 0 else 1
+        splits.append(Split(fewer, b // 4, 4 * d // fewer))
+    return splits
+
+
+def trained_row_weights(config: ml_collections.ConfigDict, steps: int, g: int) -> np.ndarray:
+    """Σ weight of each row the runs train on (every run reads the same stream)."""
+    train_source, _ = make_sources(config)
+    rows = stream_rows(0, steps * g, len(train_source), config.train.seed)
+    return row_weight_sums(train_source, rows)
+
+
+def _spread(curves: Sequence[np.ndarray], ref: np.ndarray) -> dict[str, float] | None:
+    """Max over steps of max − min across `curves`, absolute and relative to `ref`."""
+    if len(curves) < 2:
+        return None
+    spread = np.ptp(np.stack(curves), axis=0)
+    return {"abs": float(spread.max()), "rel": float((spread / np.abs(ref)).max())}
+
+
+def summarise(
+    losses: dict[Unit, np.ndarray], eval_losses: dict[Unit, float], reference: Split
+) -> dict[str, Any]:
+    """The report's numbers from each finished run's per-step training losses.
+
+    `losses` holds the runs done so far, the reference split's exact run first.
+    """
+    ref = losses[Unit(reference, "exact")]
+    by_norm = {n: [c for u, c in losses.items() if u.normalisation == n] for n in NORMALISATIONS}
+    exact_spread = _spread(by_norm["exact"], ref)
+    naive_spread = _spread(by_norm["naive"], ref)
+    runs = []
+    for unit, curve in losses.items():
+        diff = np.abs(curve - ref)
+        runs.append(
+            {
+                "split": unit.split.name,
+                "devices": unit.split.devices,
+                "per_device_batch_size": unit.split.per_device,
+                "grad_accum_steps": unit.split.accum,
+                "normalisation": unit.normalisation,
+                "final_loss": float(curve[-1]),
+                "eval_loss": eval_losses[unit],
+                "max_abs_diff_vs_reference": float(diff.max()),
+                "max_rel_diff_vs_reference": float((diff / np.abs(ref)).max()),
+                "losses": [float(x) for x in curve],
+            }
+        )
+    # Naive against the exact run of its own split: the same rows, the same programs, so
+    # any difference is the normalisation's (zero, bit for bit, where micro-batches weigh
+    # the same). Judged against the exact runs' own spread, or a float32 ulp of the loss.
+    gaps = [
+        float(np.max(np.abs(c - losses[Unit(u.split, "exact")])))
+        for u, c in losses.items()
+        if u.normalisation == "naive" and Unit(u.split, "exact") in losses
+    ]
+    round_off = max(exact_spread["abs"] if exact_spread else 0.0, F32_EPS * float(ref.max()))
+    naive_gap = max(gaps) if gaps else None
+    ratio = None
+    if naive_spread and exact_spread and exact_spread["abs"] > 0:
+        ratio = naive_spread["abs"] / exact_spread["abs"]
+    return {
+        "reference": f"{reference.name} exact",
+        "exact_spread": exact_spread,
+        "naive_spread": naive_spread,
+        "naive_spread_over_exact_spread": ratio,
+        "max_naive_diff_vs_own_split_exact": naive_gap,
+        "naive_equals_exact": naive_gap is not None and naive_gap <= round_off,
+        "runs": runs,
+    }
+
+
+def _weights_phrase(weights: np.ndarray) -> str:
+    if np.all(weights == weights[0]):
+        return f"all {len(weights):,} rows the runs train on weigh {weights[0]:g} targets each"
+    return (
+        f"the {len(weights):,} rows the runs train on weigh {weights.min():g} to "
+        f"{weights.max():g} targets (mean {weights.mean():.2f})"
+    )
+
+
+def verdict(numbers: dict[str, Any], splits: Sequence[Split], weights: np.ndarray) -> str:
+    """One paragraph: how far naive drifts, in units of the exact runs' round-off."""
+    if numbers["max_naive_diff_vs_own_split_exact"] is None:
+        return "No naive run has finished yet."
+    exact = numbers["exact_spread"]
+    exact_said = (
+        "there is one exact run, so no spread of exact runs to compare"
+        if exact is None
+        else "the exact runs agree bit for bit"
+        if exact["abs"] == 0
+        else f"the exact runs' own spread is {exact['abs']:.1e} (round-off: the splits sum "
+        "the same terms in another order)"
+    )
+    if numbers["naive_equals_exact"]:
+        gap = numbers["max_naive_diff_vs_own_split_exact"]
+        said = (
+            f"**Naive equals exact here:** every naive run is within {gap:.1e} of its own "
+            f"split's exact run, and {exact_said}."
+        )
+        one_micro_batch = (
+            "a step's one micro-batch is its whole global batch, and the mean of "
+            "micro-batch means is the global mean"
+        )
+        if all(s.accum == 1 for s in splits):
+            return (
+                f"{said} It must: every split has K = 1, so {one_micro_batch}. Splits with "
+                "K > 1 (--splits) compare the two."
+            )
+        naive_k = [r["grad_accum_steps"] for r in numbers["runs"] if r["normalisation"] == "naive"]
+        if all(k == 1 for k in naive_k):
+            return (
+                f"{said} So far only naive runs with K = 1 have finished, where {one_micro_batch}."
+            )
+        if np.all(weights == weights[0]):
+            return (
+                f"{said} The rows of this config all weigh the same ({weights[0]:g} targets "
+                "each), so every micro-batch weighs the same and the mean of micro-batch "
+                "means is the global batch's mean: there is no drift to show. Rows that "
+                "weigh differently (padded documents: data.source=tokens, "
+                "data.rows=documents) would show one."
+            )
+        return (
+            f"{said} Although {_weights_phrase(weights)}, the micro-batches of every step "
+            "weighed the same, to round-off."
+        )
+    runs = [r for r in numbers["runs"] if r["normalisation"] == "naive"]
+    worst = max(runs, key=lambda r: r["max_abs_diff_vs_reference"])
+    far = (
+        f"The farthest naive run, {worst['split']} (K = {worst['grad_accum_steps']}), is "
+        f"{worst['max_abs_diff_vs_reference']:.2e} "
+        f"({worst['max_rel_diff_vs_reference']:.1e} relative) from the exact reference "
+        f"{numbers['reference']}"
+    )
+    naive = numbers["naive_spread"]
+    if naive is None:
+        head = f"**Naive drifts from exact:** {far}; {exact_said}."
+    else:
+        times = numbers["naive_spread_over_exact_spread"]
+        head = (
+            f"**Naive curves differ by up to {naive['abs']:.2e} ({naive['rel']:.1e} "
+            "relative)"
+            + (f", {times:,.0f}× the exact runs' spread" if times is not None else "")
+            + f"**; {exact_said}. {far}."
+        )
+    return (
+        f"{head} Rows here weigh {weights.min():g} to {weights.max():g} targets: a naive "
+        "step weighs each micro-batch's rows by that micro-batch's own weight, so its loss "
+        "and gradient change with K."
+    )
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    out: pathlib.Path,
+    options: Options,
+    echo: Callable[[str], None],
+) -> pathlib.Path:
+    devices = list(options.devices or jax.devices())
+    g = plan_from_config(config, {"data": 1, "fsdp": 1, "tensor": 1}).global_batch_size
+    splits = (
+        default_splits(g, len(devices)) if options.splits is None else parse_splits(options.splits)
+    )
+    for split in splits:
+        if split.devices * split.per_device * split.accum != g:
+            raise ExperimentError(
+                f"split {split.name} makes a global batch of "
+                f"{split.devices * split.per_device * split.accum}, not the config's {g}"
+            )
+        if split.devices > len(devices):
+            raise ExperimentError(
+                f"split {split.name} needs {split.devices} devices; {len(devices)} are "
+                "available (--host-devices N simulates more on the CPU)"
+            )
+    if len(set(splits)) < len(splits):
+        raise ExperimentError("--splits: a split is given twice")
+    for split in splits:  # all refused before any training
+        split_mesh(config, split)
+    steps = options.steps or DEFAULT_STEPS
+    weights = trained_row_weights(config, steps, g)
+    # The reference, the exact run at K = 1 (or of the first split), trains first: every
+    # partial report then measures against the same curve.
+    reference = next((s for s in splits if s.accum == 1), splits[0])
+    ordered = [reference, *(s for s in splits if s != reference)]
+    units = [Unit(s, n) for s in ordered for n in NORMALISATIONS]
+    losses: dict[Unit, np.ndarray] = {}
+    eval_losses: dict[Unit, float] = {}
+
+    def do_unit(unit: Unit) -> None:
+        c = ml_collections.ConfigDict(config.to_dict())
+        c.train.loss_normalisation = unit.normalisation
+        result = train_split(c, unit.split, devices, steps)
+        losses[unit] = np.array([r["loss"] for r in result.records if "loss" in r])
+        eval_losses[unit] = float(
+            next(r["eval_loss"] for r in reversed(result.records) if "eval_loss" in r)
+        )
+        echo(f"  {unit}: final loss {losses[unit][-1]:.6f}")
+
+    def render(report: Report) -> None:
+        report.text(
+            f"Config `{config.get('name')}`, global batch {g}, {steps} optimizer steps per "
+            "run, same seed and data order. Each split (devices × per-device batch × "
+            "accumulation K) trains twice from the same initial parameters: **exact** (a "
+            "step's loss is Σ weight × loss / Σ weight over its whole global batch) and "
+            "**naive** (the mean of its K micro-batch means, as other kits compute it). A "
+            "naive run's training loss is that mean; the eval loss, weighted exactly on "
+            f"the same held-out rows, compares every run on one objective. Here "
+            f"{_weights_phrase(weights)}. Reference: the exact run of {reference.name}."
+        )
+        if not losses:
+            return
+        numbers = summarise(losses, eval_losses, reference)
+        numbers |= {
+            "config": config.get("name"),
+            "global_batch_size": g,
+            "steps": steps,
+            "runs_done": len(losses),
+            "runs_planned": len(units),
+            "row_weights": {
+                "rows": len(weights),
+                "min": float(weights.min()),
+                "max": float(weights.max()),
+                "mean": float(weights.mean()),
+            },
+        }
+        report.text(verdict(numbers, splits, weights))
+        report.table(
+            (
+                "split",
+                "K",
+                "normalisation",
+                "final loss",
+                "final eval loss",
+                "max abs Δloss vs reference",
+                "max rel Δloss vs reference",
+            ),
+            [
+                (
+                    r["split"],
+                    r["grad_accum_steps"],
+                    r["normalisation"],
+                    f"{r['final_loss']:.6f}",
+                    f"{r['eval_loss']:.6f}",
+                    f"{r['max_abs_diff_vs_reference']:.2e}",
+                    f"{r['max_rel_diff_vs_reference']:.2e}",
+                )
+                for r in numbers["runs"]
+            ],
+        )
+        report.table(
+            ("spread across splits (max over steps of max − min)", "abs", "rel"),
+            [
+                (
+                    f"{n} runs" + (" (round-off)" if n == "exact" else ""),
+                    f"{s['abs']:.2e}" if s else "-",
+                    f"{s['rel']:.2e}" if s else "-",
+                )
+                for n, s in (("exact", numbers["exact_spread"]), ("naive", numbers["naive_spread"]))
+            ],
+        )
+        _figure(report, losses, reference, splits)
+        path = epath.Path(report.out / JSON_NAME)
+        write_text_atomic(path, json.dumps(numbers, indent=1) + "\n")
+        report.text(f"The numbers, each run's per-step losses included: `{JSON_NAME}`.")
+
+    report = Report(out, f"Loss normalisation: exact against naive over splits of {g}")
+    return drive(report, units, do_unit, render, "runs")
+
+
+def _figure(
+    report: Report, losses: dict[Unit, np.ndarray], reference: Split, splits: Sequence[Split]
+) -> None:
+    """Loss against step for every run (exact solid, naive dashed, one colour per split),
+    and each run's |loss − reference| on a log scale (bitwise equal on the bottom edge)."""
+    fig = Figure(figsize=(12, 4.4), layout="constrained")
+    curves_ax, diff_ax = fig.subplots(1, 2)
+    ref = losses[Unit(reference, "exact")]
+    colour = {s: f"C{i}" for i, s in enumerate(splits)}
+    for unit, curve in losses.items():
+        style = {"color": colour[unit.split], "ls": "-" if unit.normalisation == "exact" else "--"}
+        steps = np.arange(1, len(curve) + 1)
+        label = f"{unit.split.name} {unit.normalisation}"
+        curves_ax.plot(steps, curve, label=label, **style)
+        if unit != Unit(reference, "exact"):
+            diff = np.maximum(np.abs(curve - ref), FLOOR)
+            diff_ax.plot(steps, diff, marker=".", lw=0.9, label=label, **style)
+    for ax in (curves_ax, diff_ax):
+        ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    curves_ax.set_ylabel("training loss")
+    curves_ax.legend(fontsize=8, title="devices × per-device × K")
+    diff_ax.set_yscale("log")
+    diff_ax.set_ylim(bottom=FLOOR / 3)
+    diff_ax.set_ylabel(f"|loss − {reference.name} exact|\n(bottom edge: bitwise equal)")
+    if len(losses) > 1:
+        diff_ax.legend(fontsize=8)
+    report.figure(
+        fig,
+        "loss_curves.png",
+        "Training loss of every run (exact solid, naive dashed), and its distance from the "
+        "exact reference",
+    )
