@@ -221,7 +221,11 @@ def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Spli
         return train, held, meta
     files = _expand(path)
     if not files:
-        raise TokenFileError(f"data.path={path!r} matches no token file (.bin or .npy)")
+        raise TokenFileError(
+            f"data.path={path!r} matches no token file (.bin or .npy) and is no directory "
+            "that `jaxkit data prepare --out` wrote: prepare the data first (each token "
+            "config's docstring gives the command)"
+        )
     stream = Stream([open_tokens(f, token_dtype) for f in files])
     cut = int(len(stream) * (1 - eval_fraction))
     facts = {"dtype": token_dtype, "files": files, "num_tokens": len(stream)}
