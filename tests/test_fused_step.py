@@ -17,7 +17,7 @@ from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.train_step import build
 
 # Same reasoning as test_equivalence: the same per-example gradients summed in another
-# order (local scans, then one pmean) differ by float32 round-off only.
+# order (local scans, then one psum) differ by float32 round-off only.
 LOSS_RTOL = 2e-6
 PARAM_ATOL = 1e-6
 

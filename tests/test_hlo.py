@@ -195,7 +195,7 @@ def test_each_layout_crosses_only_the_axes_it_needs(layout, mode):
 def test_fused_reduces_the_gradient_across_data_once_per_step_for_any_k(per_device, k):
     plan, setup, _, found = compiled_step(LAYOUTS["2x2x2"], "fused", per_device)
     assert plan.grad_accum_steps == k
-    # Outside the scan, so once per step (XLA may split the one pmean into a few ops)...
+    # Outside the scan, so once per step (XLA may split the one psum into a few ops)...
     data_reductions = [c for c in found if c.kind == "all-reduce" and "data" in c.axes]
     assert data_reductions and not any(c.in_loop for c in data_reductions)
     # ... carrying one gradient, whatever K.
