@@ -2,12 +2,14 @@
 with and without prefetch, on token files, side by side in one process.
 
 Storage slower than this machine's page cache (a bucket, a busy disk) is emulated by a
-delay added to every read of rows (--delays-ms). Prefetch (train.prefetch=2) should hide
-the loader entirely while a load is shorter than a micro-step: the loop's wait for data
-after the first batch is then ~0, and examples/s equal to the step's own pace.
+delay added to every read of rows: by default 0, 0.5, 0.9 and 2 times the compute time of
+a micro-step, measured first (a run with prefetch and no delay), so the same sweep brackets
+the step on a CPU and on a GPU. Prefetch (train.prefetch=2) should hide the loader
+entirely while a load is shorter than a micro-step: the loop's wait for data after the
+first batch is then ~0, and examples/s the step's own pace.
 
 Run: python benchmarks/input_pipeline.py [--host-devices 8] [--steps 40]
-     [--delays-ms 0,10,40,200] [--data DIR]
+     [--delay-fractions 0,0.5,0.9,2 | --delays-ms 0,10,40] [--data DIR]
 Prints a table and writes benchmarks/results/input_pipeline.json.
 """
 
@@ -25,7 +27,10 @@ import time
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--host-devices", type=int, default=8)
 parser.add_argument("--steps", type=int, default=40, help="optimizer steps per timed run")
-parser.add_argument("--delays-ms", default="0,10,40,200", help="added per read of rows")
+parser.add_argument(
+    "--delay-fractions", default="0,0.5,0.9,2", help="read delays, in micro-step compute times"
+)
+parser.add_argument("--delays-ms", help="read delays in ms, instead of --delay-fractions")
 parser.add_argument("--tokens", type=int, default=20_000_000, help="written when no --data")
 parser.add_argument("--data", help="token files to read (default: random ones written here)")
 parser.add_argument(
@@ -128,24 +133,30 @@ def main() -> None:
         if path is None:
             write_tokens(pathlib.Path(tmp), args.tokens)
             path = tmp
+        pace = run(config_for(path, 2), 0.0)
+        compute_ms = pace["median_step_ms"] / pace["grad_accum_steps"]
+        print(f"compute: {compute_ms:.1f} ms per micro-step (prefetch 2, no delay)", flush=True)
+        if args.delays_ms:
+            delays = [float(d) for d in args.delays_ms.split(",")]
+        else:
+            delays = [float(f) * compute_ms for f in args.delay_fractions.split(",")]
         rows = []
-        for delay_ms in (float(d) for d in args.delays_ms.split(",")):
+        for delay_ms in delays:
             delay_s = delay_ms / 1e3
             load = loader_ms(config_for(path, 0), delay_s)
             inline = run(config_for(path, 0), delay_s)
             ahead = run(config_for(path, 2), delay_s)
-            micro_step_ms = ahead["median_step_ms"] / ahead["grad_accum_steps"]
             row = {
                 "delay_ms": delay_ms,
                 "load_ms_per_micro_step": load,
-                "step_ms_per_micro_step": micro_step_ms,
+                "compute_ms_per_micro_step": compute_ms,
                 "prefetch_0": inline,
                 "prefetch_2": ahead,
                 "speedup": ahead["examples_per_s"] / inline["examples_per_s"],
             }
             rows.append(row)
             print(
-                f"delay {delay_ms:5.0f} ms | load {load:7.1f} ms | micro-step {micro_step_ms:7.1f}"
+                f"delay {delay_ms:6.1f} ms | load {load:7.1f} ms | compute {compute_ms:6.1f}"
                 f" ms | no prefetch {inline['examples_per_s']:7.1f} ex/s, waits "
                 f"{inline['wait_ms_per_micro_step']:6.1f} ms | prefetch 2 "
                 f"{ahead['examples_per_s']:7.1f} ex/s, waits {ahead['wait_ms_per_micro_step']:6.1f}"
@@ -154,8 +165,12 @@ def main() -> None:
             )
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "python": sys.version}
-    results = {"args": vars(args), "meta": meta, "rows": rows}
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "device": jax.devices()[0].device_kind,
+        "python": sys.version,
+    }
+    results = {"args": vars(args), "meta": meta, "pace": pace, "rows": rows}
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")
 

@@ -7,7 +7,10 @@ for --split-target (its compile seconds, memory and FLOPs per chip), then the la
 per-device batch under each --search-targets chip's HBM by compile-only search. Nothing
 runs; libtpu must be installed (pip install -e ".[tpu-plan]").
 
-Run: python benchmarks/tpu_plan.py [--split-target v5litepod-8]
+Each split compiles with its 12 blocks unrolled and scanned (`--scan-layers both`, the two
+interleaved so a busy machine slows both alike), for the compile seconds each layout costs.
+
+Run: python benchmarks/tpu_plan.py [--split-target v5litepod-8] [--scan-layers both]
      [--search-targets v5litepod-8,v4-8] [--no-search] [--no-splits]
 Writes benchmarks/results/tpu_plan.json.
 """
@@ -26,10 +29,18 @@ parser.add_argument("--search-targets", default="v5litepod-8,v4-8")
 parser.add_argument("--no-search", action="store_true", help="compile the splits only")
 parser.add_argument("--no-splits", action="store_true", help="search the batch only")
 parser.add_argument(
+    "--scan-layers",
+    choices=("false", "true", "both"),
+    default="both",
+    help="compile the splits unrolled, scanned, or both (default)",
+)
+parser.add_argument(
     "--out", default=str(pathlib.Path(__file__).parent / "results" / "tpu_plan.json")
 )
 args = parser.parse_args()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiling for a described slice: no TPU needed
+
+import ml_collections
 
 from jaxkit import costs
 from jaxkit.config import apply_overrides, load_config
@@ -63,28 +74,32 @@ def main() -> None:
     print(target.describe(), flush=True)
     splits = [] if args.no_splits else costs.enumerate_splits(config, [len(devices)])
 
-    def show(split: costs.Split) -> None:
-        c = split.cost
-        assert c is not None
-        print(
-            f"  b={split.plan.per_device_batch_size:<3} K={split.plan.grad_accum_steps:<3} "
-            f"compile {c.compile_s:6.1f} s  {costs.format_bytes(c.memory_bytes):>10}  "
-            f"{costs.format_flops(c.flops_per_step)}FLOPs/step/chip",
-            flush=True,
-        )
-
-    splits = costs.with_costs(config, splits, devices, progress=show)
-    results["splits"] = {
-        "target": target.name,
-        "rows": [
-            {
-                "per_device_batch_size": s.plan.per_device_batch_size,
-                "grad_accum_steps": s.plan.grad_accum_steps,
-                **(s.cost.to_json() if s.cost else {}),
-            }
-            for s in splits
-        ],
-    }
+    layouts = {"false": [False], "true": [True], "both": [False, True]}[args.scan_layers]
+    rows = []
+    for split in splits:
+        for scan in layouts:
+            layout = ml_collections.ConfigDict(config.to_dict())
+            layout.model.scan_layers = scan
+            (costed,) = costs.with_costs(layout, [split], devices)
+            c = costed.cost
+            memory = costs.format_bytes(c.memory_bytes) if c else "refused (HBM)"
+            print(
+                f"  b={split.plan.per_device_batch_size:<3} K={split.plan.grad_accum_steps:<3} "
+                f"{'scanned ' if scan else 'unrolled'} "
+                + (f"compile {c.compile_s:6.1f} s  " if c else "")
+                + f"{memory:>10}"
+                + (f"  {costs.format_flops(c.flops_per_step)}FLOPs/step/chip" if c else ""),
+                flush=True,
+            )
+            rows.append(
+                {
+                    "per_device_batch_size": split.plan.per_device_batch_size,
+                    "grad_accum_steps": split.plan.grad_accum_steps,
+                    "scan_layers": scan,
+                    **(c.to_json() if c else {"out_of_memory": str(costed.out_of_memory)}),
+                }
+            )
+    results["splits"] = {"target": target.name, "rows": rows}
     results["searches"] = []
     for name in [] if args.no_search else args.search_targets.split(","):
         target = parse_target(name)
