@@ -188,7 +188,10 @@ def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
                     f"{facts['vocab_size']} (or more)"
                 )
         else:  # foreign files state no vocabulary: read their largest id once
-            top = max(token_files.max_token(s.tokens) for s in (train, held_out))
+            ranges = [token_files.token_range(s.tokens) for s in (train, held_out)]
+            low, top = min(r[0] for r in ranges), max(r[1] for r in ranges)
+            if low < 0:
+                raise DataError(f"data.path={d.path!r} holds token id {low}: ids are ≥ 0")
             if top >= vocab:
                 raise DataError(
                     f"data.path={d.path!r} holds token id {top}, not below model.vocab_size="

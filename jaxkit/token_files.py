@@ -154,12 +154,20 @@ def _expand(path: str) -> list[str]:
         return [p if "://" in p else f"{protocol}://{p.lstrip('/')}" for p in found]
     path = os.path.expanduser(path)
     if any(ch in path for ch in "*?["):
-        return sorted(glob.glob(path))
-    if os.path.isdir(path):
-        return sorted(
-            os.path.join(path, n) for n in os.listdir(path) if n.endswith((".bin", ".npy"))
-        )
-    return [path] if os.path.isfile(path) else []
+        found = sorted(glob.glob(path))
+    elif os.path.isdir(path):
+        names = os.listdir(path)
+        if any(n.endswith((fmt.DOCS_SUFFIX, fmt.MASK_SUFFIX)) for n in names):
+            raise TokenFileError(
+                f"data.path={path!r} holds a prepared directory's shards but no "
+                f"{fmt.META_NAME}: an unfinished or damaged `jaxkit data prepare`; prepare "
+                "it again"
+            )
+        found = sorted(os.path.join(path, n) for n in names if n.endswith((".bin", ".npy")))
+    else:
+        found = [path] if os.path.isfile(path) else []
+    # A document index holds offsets, not token ids: never part of a foreign stream.
+    return [f for f in found if not f.endswith(fmt.DOCS_SUFFIX)]
 
 
 def read_meta(path: str) -> dict | None:
@@ -189,26 +197,77 @@ def read_meta(path: str) -> dict | None:
     return meta
 
 
+def _open_mask(path: str) -> Any:
+    """A shard's mask bytes: a memory map locally, ranged reads behind a URL."""
+    if is_url(path):
+        return _RangeFile(path, np.dtype(np.uint8), _size(path))
+    return np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0)
+
+
+def _load_npy(path: str) -> np.ndarray:
+    if is_url(path):
+        import io
+
+        import fsspec
+
+        with fsspec.open(path, "rb") as f:
+            return np.load(io.BytesIO(f.read()))
+    return np.load(path)
+
+
 def _prepared_split(root: str, meta: dict, split: str) -> Split:
-    stems = meta["shards"][split]
+    """One split of a prepared directory, its files checked against meta.json: a shard
+    cut short, a missing file or a document index past its shard is refused here."""
+    try:
+        stems = meta["shards"][split]
+        expected = int(meta["num_tokens"][split])
+        eod_id = int(meta["eod_id"])
+        dtype = meta["dtype"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise TokenFileError(f"{root}/{fmt.META_NAME}: no valid {e} entry") from None
+    try:
+        return _read_split(root, meta, stems, expected, eod_id, dtype)
+    except OSError as e:
+        raise TokenFileError(f"{root}: a shard of the {split} split cannot be read ({e})") from None
+
+
+def _read_split(
+    root: str, meta: dict, stems: list[str], expected: int, eod_id: int, dtype: str
+) -> Split:
     join = (
         (lambda name: root.rstrip("/") + "/" + name)
         if is_url(root)
         else (lambda name: os.path.join(os.path.expanduser(root), name))
     )
-    tokens = [open_tokens(join(s + fmt.TOKEN_SUFFIX), meta["dtype"]) for s in stems]
+    tokens = [open_tokens(join(s + fmt.TOKEN_SUFFIX), dtype) for s in stems]
+    if sum(len(t) for t in tokens) != expected:
+        raise TokenFileError(
+            f"{root}: {sum(len(t) for t in tokens)} tokens in the shards of "
+            f"{', '.join(stems)}, but {fmt.META_NAME} says {expected}: a shard was cut short "
+            "or replaced; prepare the data again"
+        )
     masks = None
     if meta.get("masked"):
-        masks = [np.memmap(join(s + fmt.MASK_SUFFIX), dtype=np.uint8, mode="r") for s in stems]
+        masks = [_open_mask(join(s + fmt.MASK_SUFFIX)) for s in stems]
         for stem, t, m in zip(stems, tokens, masks, strict=True):
             if len(t) != len(m):
                 raise TokenFileError(f"{join(stem)}: {len(t)} tokens but {len(m)} mask bytes")
     starts, offset = [], 0
     for stem, t in zip(stems, tokens, strict=True):
-        starts.append(np.load(join(stem + fmt.DOCS_SUFFIX)) + offset)
+        shard_starts = _load_npy(join(stem + fmt.DOCS_SUFFIX))
+        if len(shard_starts) and (
+            shard_starts[0] != 0
+            or shard_starts[-1] >= len(t)
+            or np.any(np.diff(shard_starts) <= 0)
+        ):
+            raise TokenFileError(
+                f"{join(stem + fmt.DOCS_SUFFIX)}: document starts do not lie in order inside "
+                f"the shard's {len(t)} tokens"
+            )
+        starts.append(shard_starts + offset)
         offset += len(t)
     doc_starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-    return Split(Stream(tokens), Stream(masks) if masks else None, doc_starts, int(meta["eod_id"]))
+    return Split(Stream(tokens), Stream(masks) if masks else None, doc_starts, eod_id)
 
 
 def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Split, Split, dict]:
@@ -236,12 +295,14 @@ def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Spli
     )
 
 
-def max_token(stream: Stream, chunk: int = 1 << 24) -> int:
-    """The largest id in `stream`, read a chunk at a time (foreign files state none)."""
-    top = -1
+def token_range(stream: Stream, chunk: int = 1 << 24) -> tuple[int, int]:
+    """The smallest and largest ids in `stream`, read a chunk at a time (foreign files
+    state no vocabulary, and a signed .npy may hold negative ids)."""
+    low, top = 0, -1
     for start in range(0, len(stream), chunk):
-        top = max(top, int(stream.read(start, min(chunk, len(stream) - start)).max()))
-    return top
+        part = stream.read(start, min(chunk, len(stream) - start))
+        low, top = min(low, int(part.min())), max(top, int(part.max()))
+    return low, top
 
 
 def segments(inputs_BxL: np.ndarray, eod_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -186,6 +186,52 @@ def test_foreign_files_state_no_vocabulary_so_every_id_is_checked(tmp_path):
     stream = np.zeros(5000, dtype="<u2")
     stream[-3] = 512
     stream.tofile(tmp_path / "t.bin")
-    assert token_files.max_token(token_files.Stream([np.asarray(stream)]), chunk=64) == 512
+    assert token_files.token_range(token_files.Stream([np.asarray(stream)]), chunk=64) == (0, 512)
     with pytest.raises(DataError, match="token id 512"):
         make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
+
+
+def test_a_prepared_directory_is_checked_against_its_meta(tmp_path):
+    """A directory whose meta.json is gone is not read as foreign files (its eval shards
+    and document offsets would become training tokens); a shard cut short, a missing
+    document index and a meta.json without its entries are refused before training."""
+    docs = [([1, 2], [3, 4, 5])] * 40
+    base = ["data.source=tokens", "model.vocab_size=257", "data.rows=documents"]
+
+    def fresh(name):
+        write_prepared(tmp_path / name, {"train": docs, "eval": docs[:4]})
+        return tmp_path / name
+
+    assert len(make_sources(lm_config(*base, f"data.path={fresh('ok')}"))[0]) == 40
+    no_meta = fresh("no_meta")
+    (no_meta / "meta.json").unlink()
+    with pytest.raises(DataError, match=r"prepared directory.s shards but no meta\.json"):
+        make_sources(lm_config("data.source=tokens", "model.vocab_size=257",
+                               f"data.path={no_meta}"))  # fmt: skip
+    cut = fresh("cut")
+    shard = cut / "train-00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-20])  # ten uint16 tokens fewer
+    with pytest.raises(DataError, match=r"230 tokens .* but meta\.json says 240"):
+        make_sources(lm_config(*base, f"data.path={cut}"))
+    gone = fresh("gone")
+    (gone / "train-00000.docs.npy").unlink()
+    with pytest.raises(DataError, match="a shard of the train split cannot be read"):
+        make_sources(lm_config(*base, f"data.path={gone}"))
+    past = fresh("past")
+    np.save(past / "train-00000.docs.npy", np.array([0, 5, 500]))
+    with pytest.raises(DataError, match="document starts do not lie in order"):
+        make_sources(lm_config(*base, f"data.path={past}"))
+    broken = fresh("broken")
+    meta = json.loads((broken / "meta.json").read_text())
+    del meta["shards"]
+    (broken / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="no valid 'shards' entry"):
+        make_sources(lm_config(*base, f"data.path={broken}"))
+
+
+def test_negative_ids_in_a_signed_npy_are_refused(tmp_path):
+    ids = np.arange(400, dtype=np.int32) % 200
+    ids[::7] = -1
+    np.save(tmp_path / "neg.npy", ids)
+    with pytest.raises(DataError, match="token id -1: ids are ≥ 0"):
+        make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/neg.npy"))
