@@ -165,11 +165,11 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
     (`.git`, `.DS_Store`) and Python's bytecode caches (`__pycache__`) left out; a glob
     (`*`, `?`, `[`, `**` for any depth) gives its sorted matches.
     """
-    files: dict[Path, None] = {}
+    files: dict[str, Path] = {}  # by real path: `a/x`, `./a/x` and a link to it are one file
     for given in inputs:
         if any(c in given for c in "*?["):
             matches = sorted(glob.glob(given, recursive=True))
-            matches = [m for m in matches if not _skipped_dir(m)]
+            matches = [m for m in matches if not _skipped_dir(m) and not _in_cache(m)]
             if not matches:
                 raise PrepareError(f"{given}: matched no file")
         elif os.path.lexists(given):
@@ -180,8 +180,14 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
             found = _walk(Path(match)) if os.path.isdir(match) else [Path(match)]
             if not found:
                 raise PrepareError(f"{match}: a directory with no files")
-            files |= dict.fromkeys(found)
-    return list(files)
+            for path in found:
+                files.setdefault(os.path.realpath(path), path)
+    return list(files.values())
+
+
+def _in_cache(path: str) -> bool:
+    """A file inside a bytecode cache (`**` reaches into them)."""
+    return "__pycache__" in Path(path).parts[:-1]
 
 
 def _skipped_dir(path: str) -> bool:
@@ -263,10 +269,14 @@ def _record_document(record: object, where: str) -> Document:
             '(or "prompt" and "completion")'
         )
     if "prompt" in record or "completion" in record:
+        if "text" in record:
+            raise PrepareError(
+                f'{where}: both "text" and "prompt"/"completion": which one is the document?'
+            )
         prompt, completion = record.get("prompt"), record.get("completion")
         if not (isinstance(prompt, str) and isinstance(completion, str)):
             raise PrepareError(f'{where}: "prompt" and "completion" must both be strings')
-        return Document(completion, prompt)
+        return Document(_encodable(completion, where), _encodable(prompt, where))
     text = record.get("text")
     if not isinstance(text, str):
         raise PrepareError(
@@ -274,7 +284,19 @@ def _record_document(record: object, where: str) -> Document:
             if text is None
             else f'{where}: "text" is a {type(text).__name__}, not a string'
         )
-    return Document(text)
+    return Document(_encodable(text, where))
+
+
+def _encodable(text: str, where: str) -> str:
+    """`text`, if it is valid Unicode: JSON can carry a lone surrogate (\\ud800), which no
+    UTF-8 byte or tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PrepareError(
+            f"{where}: not valid Unicode text ({err.reason} at {err.start})"
+        ) from None
+    return text
 
 
 def _parquet_file(path: Path) -> Any:
@@ -487,7 +509,11 @@ def prepare(
     out = Path(os.path.abspath(out))
     _check_out(out, overwrite)
     encoder = Encoder.load(tokenizer, eod_token)
-    paths = expand_inputs(inputs)
+    # The output (and its half-built siblings) is never an input: a DIR inside an input
+    # directory, prepared again with --overwrite, would otherwise read its own shards.
+    paths = [p for p in expand_inputs(inputs) if not _inside_output(p, out)]
+    if not paths:
+        raise PrepareError("every input lies inside --out: nothing to prepare")
     num_documents = sum(count_documents(p) for p in paths)
     if num_documents == 0:
         raise PrepareError(f"no documents in {len(paths)} input file(s)")
@@ -561,6 +587,11 @@ def _check_out(out: Path, overwrite: bool) -> None:
     --overwrite replaces only a prepared directory (one with meta.json): `--out .` must
     not delete a directory of other files.
     """
+    if out.is_symlink():
+        raise PrepareError(
+            f"--out {out} is a symbolic link: give the directory it points to, which is "
+            "what would be replaced"
+        )
     if out.exists() and not out.is_dir():
         raise PrepareError(f"--out {out}: a file, not a directory")
     if not out.is_dir() or not any(out.iterdir()):
@@ -587,6 +618,7 @@ def _building(out: Path) -> Iterator[Path]:
         except OSError as err:
             raise PrepareError(f"--out {out}: cannot create {out.parent}: {err}") from None
         shutil.rmtree(partial, ignore_errors=True)  # a run with this pid that was killed
+        _remove_stale_partials(out)
         partial.mkdir()
         yield partial
         _replace(partial, out)
@@ -596,6 +628,27 @@ def _building(out: Path) -> Iterator[Path]:
             with contextlib.suppress(OSError):
                 parent.rmdir()
         raise
+
+
+def _inside_output(path: Path, out: Path) -> bool:
+    """Whether `path` lies in `out` or in one of its half-built or set-aside siblings."""
+    real, target = os.path.realpath(path), os.path.realpath(out)
+    return real.startswith((target + os.sep, target + ".partial-", target + ".replaced-"))
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Half-built directories of prepares that were killed (SIGKILL leaves no chance to
+    clean up): `DIR.partial-PID` whose process is gone."""
+    for stale in out.parent.glob(f"{glob.escape(out.name)}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            continue
 
 
 def _replace(new: Path, out: Path) -> None:

@@ -589,3 +589,45 @@ sys.exit(cli.main(["data", "prepare", {str(tmp_path / "in")!r}, "--tokenizer", "
     assert result.returncode == 130, result.stderr
     assert "jaxkit: interrupted" in result.stderr and "Traceback" not in result.stderr
     assert sorted(os.listdir(tmp_path)) == ["in"]
+
+
+def test_what_users_hand_prepare_by_mistake(tmp_path, monkeypatch):
+    """Found by using it: the output inside an input directory is not read back with
+    --overwrite; `**` does not reach into bytecode caches; one file spelled two ways is
+    one input; a symlinked --out, a lone surrogate and a line with both kinds of fields
+    are refused; a killed prepare's half-built directory is cleaned up by the next."""
+    corpus = tmp_path / "corp"
+    write_texts(corpus, [f"document {i}" for i in range(10)])
+    out = corpus / "tokens"
+    first = prepare([str(corpus)], "bytes", out, eval_fraction=0.2, progress=False)
+    again = prepare([str(corpus)], "bytes", out, eval_fraction=0.2, overwrite=True, progress=False)
+    assert again["num_documents"] == first["num_documents"] == {"train": 8, "eval": 2}
+    (corpus / "__pycache__").mkdir()
+    (corpus / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\x00\x01")
+    names = {p.name for p in expand_inputs([str(corpus / "**")])} - {"meta.json"}
+    assert not any(n.endswith(".pyc") for n in names)
+    monkeypatch.chdir(tmp_path)
+    same = expand_inputs(
+        ["corp/doc000.txt", str(corpus / "doc000.txt"), "./corp/../corp/doc000.txt"]
+    )
+    assert len(same) == 1
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    with pytest.raises(PrepareError, match="is a symbolic link"):
+        prepare([str(corpus / "doc000.txt")], "bytes", link, overwrite=True, progress=False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": "a\\ud800b"}\n')
+    with pytest.raises(PrepareError, match=r"bad\.jsonl:2: not valid Unicode"):
+        prepare([str(bad)], "bytes", tmp_path / "o1", eval_fraction=0.5, progress=False)
+    both = tmp_path / "both.jsonl"
+    both.write_text('{"text": "u"}\n{"text": "t", "prompt": "p", "completion": "c"}\n')
+    with pytest.raises(PrepareError, match=r"both\.jsonl:2: both \"text\" and"):
+        prepare([str(both)], "bytes", tmp_path / "o2", eval_fraction=0.5, progress=False)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process id that no longer runs
+    stale = tmp_path / f"o3.partial-{dead.pid}"
+    stale.mkdir()
+    (stale / "train-00000.bin").write_bytes(b"\x00" * 10)
+    prepare([str(corpus / "doc001.txt"), str(corpus / "doc002.txt")], "bytes", tmp_path / "o3",
+            eval_fraction=0.5, progress=False)  # fmt: skip
+    assert not stale.exists() and (tmp_path / "o3" / "meta.json").is_file()
