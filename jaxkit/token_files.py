@@ -256,9 +256,7 @@ def _read_split(
     for stem, t in zip(stems, tokens, strict=True):
         shard_starts = _load_npy(join(stem + fmt.DOCS_SUFFIX))
         if len(shard_starts) and (
-            shard_starts[0] != 0
-            or shard_starts[-1] >= len(t)
-            or np.any(np.diff(shard_starts) <= 0)
+            shard_starts[0] != 0 or shard_starts[-1] >= len(t) or np.any(np.diff(shard_starts) <= 0)
         ):
             raise TokenFileError(
                 f"{join(stem + fmt.DOCS_SUFFIX)}: document starts do not lie in order inside "
