@@ -400,6 +400,7 @@ def resume(
     allow_batch_change: bool = False,
     allow_longer: bool = False,
     echo: Callable[[str], None] = print,
+    data: dict | None = None,
 ) -> Restored | None:
     """Restores the latest checkpoint onto this run's mesh and plan, or None to start fresh.
 
@@ -407,13 +408,26 @@ def resume(
     re-derived for the new mesh, so grad_accum_steps (or per_device_batch_size) absorbs a
     change of device count. A changed global batch is refused unless `allow_batch_change`,
     a changed train.steps unless it grows and `allow_longer`. `plan_at(meta)` is this run's
-    plan at a checkpoint's position (a batch schedule's stage there).
+    plan at a checkpoint's position (a batch schedule's stage there). `data` (rows of
+    each split) must match what the checkpoint saw, where it recorded it.
     """
     if not checkpointer.steps() and checkpointer.micro_step_numbered() is None:
         return None  # a new workdir
     current = config.to_dict()
 
     def check(meta: dict) -> None:
+        saved_data = meta.get("data")
+        if saved_data is not None and data is not None and saved_data != data:
+            changes = ", ".join(
+                f"{key} {saved_data.get(key)} (saved) -> {data.get(key)}"
+                for key in sorted(data.keys() | saved_data.keys())
+                if saved_data.get(key) != data.get(key)
+            )
+            raise CheckpointError(
+                f"{checkpointer.directory.parent} was trained on other data ({changes}): the "
+                "saved data position would read other rows. Restore the data the run was "
+                "trained on, or use a new --workdir."
+            )
         conflicts = config_conflicts(meta["config"], current)
         if conflicts:
             raise CheckpointError(

@@ -427,3 +427,14 @@ def eval_batches(
 def check_sources(train_source: Source, plan: BatchPlan) -> None:
     """Fails before training, not at the first step, when the data cannot serve the plan."""
     check_batch_fits(plan.global_batch_size, len(train_source))
+
+
+def check_eval_weight(source: Source, eval_examples: int) -> None:
+    """Fails before training when the held-out rows an eval reads score no target at all
+    (prompts only, say): their weighted mean loss would be 0 / 0."""
+    rows = np.arange(eval_row_count(source, eval_examples))
+    if row_weight_sums(source, rows).sum() <= 0:
+        raise DataError(
+            f"the {len(rows)} held-out rows an eval reads score no target (every weight is "
+            "0: prompts or padding only); raise train.eval_examples or data.seq_len"
+        )

@@ -124,6 +124,9 @@ def train(
     plan = schedule.first
     train_source, eval_source = data_lib.make_sources(config)
     data_lib.check_sources(train_source, schedule.largest)
+    data_lib.check_eval_weight(eval_source, t.eval_examples)
+    # What a checkpoint must be resumed on: the same rows (re-prepared data is other data).
+    data_facts = {"train_rows": len(train_source), "eval_rows": len(eval_source)}
     setup = build(config, plan, mesh, schedule)
     check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
     fused = setup.accumulation == "fused"
@@ -163,6 +166,7 @@ def train(
             allow_batch_change=allow_batch_change,
             allow_longer=allow_longer,
             echo=echo,
+            data=data_facts,
         )
     position = data_lib.Position()
     ramp = AutoRamp()
@@ -224,7 +228,7 @@ def train(
         nonlocal kept_micro
         if checkpointer is None:
             return False
-        meta = {"config": config_to_json(config), "plan": at_plan.to_json()}
+        meta = {"config": config_to_json(config), "plan": at_plan.to_json(), "data": data_facts}
         loop_state = tracker.loop_state(at)
         loop_state["events"] = [e for e in events if e["step"] == at.step]
         loop_state["batch_schedule"] = schedule.state(at.step, at.examples) | ramp.state()

@@ -235,3 +235,31 @@ def test_negative_ids_in_a_signed_npy_are_refused(tmp_path):
     np.save(tmp_path / "neg.npy", ids)
     with pytest.raises(DataError, match="token id -1: ids are ≥ 0"):
         make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/neg.npy"))
+
+
+def test_held_out_rows_that_score_nothing_are_refused_before_training(tmp_path):
+    docs = [([1, 2, 3, 4, 5, 6], [7])] * 80  # seq_len 2: every row is prompt only
+    write_prepared(tmp_path, {"train": docs, "eval": docs[:4]})
+    from jaxkit.loop import train
+
+    config = lm_config("data.source=tokens", f"data.path={tmp_path}", "model.vocab_size=257",
+                       "data.rows=documents", "data.seq_len=2")  # fmt: skip
+    with pytest.raises(DataError, match="held-out rows an eval reads score no target"):
+        train(config, progress=False, echo=lambda *a: None)
+
+
+def test_a_resume_on_other_data_is_refused(tmp_path):
+    """The data position counts examples: on re-prepared data it would name other rows."""
+    from jaxkit.checkpoint import CheckpointError
+    from jaxkit.loop import train
+
+    data = tmp_path / "data"
+    write_prepared(data, {"train": [([1], [2, 3])] * 80, "eval": [([1], [2])] * 8})
+    config = lm_config("data.source=tokens", f"data.path={data}", "model.vocab_size=257",
+                       "data.rows=documents", "train.steps=4", "batch.global_batch_size=16",
+                       "batch.per_device_batch_size=1", "checkpoint.every=2")  # fmt: skip
+    train(config, tmp_path / "run", progress=False, echo=lambda *a: None,
+          stop_after_micro_steps=4)  # fmt: skip
+    write_prepared(data, {"train": [([1], [2, 3])] * 96, "eval": [([1], [2])] * 8})
+    with pytest.raises(CheckpointError, match=r"train_rows 80 \(saved\) -> 96"):
+        train(config, tmp_path / "run", progress=False, echo=lambda *a: None)
