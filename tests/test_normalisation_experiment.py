@@ -238,3 +238,25 @@ def test_with_k_1_everywhere_the_verdict_says_naive_is_exact_by_construction():
     weights = np.array([3.0, 9.0])  # rows that weigh differently: K = 1 still makes it exact
     said = normalisation.verdict(numbers, [a, b], weights)
     assert said.startswith("**Naive equals exact here:**") and "every split has K = 1" in said
+
+
+def test_a_step_that_scores_nothing_gives_no_relative_number_not_nan():
+    """A global batch of prompts only has loss 0: relative differences skip that step, and
+    the JSON stays valid (no NaN)."""
+    a, b = Split(8, 4, 1), Split(8, 1, 4)
+    ref = np.array([0.0, 2.0, 1.0])
+    losses = {
+        normalisation.Unit(a, "exact"): ref,
+        normalisation.Unit(a, "naive"): ref,
+        normalisation.Unit(b, "exact"): ref + 1e-7,
+        normalisation.Unit(b, "naive"): np.array([0.0, 2.2, 1.05]),
+    }
+    numbers = normalisation.summarise(losses, dict.fromkeys(losses, 1.0), a)
+    text = json.dumps(numbers, allow_nan=False)  # raises on NaN or inf
+    assert numbers["naive_spread"]["rel"] == pytest.approx(0.1)  # 0.2 / 2.0, step 0 skipped
+    worst = max(r["max_rel_diff_vs_reference"] for r in numbers["runs"])
+    assert worst == pytest.approx(0.1) and "NaN" not in text
+    all_zero = {u: np.zeros(3) for u in losses}
+    numbers = normalisation.summarise(all_zero, dict.fromkeys(losses, 0.0), a)
+    assert numbers["naive_spread"]["rel"] is None
+    json.dumps(numbers, allow_nan=False)
