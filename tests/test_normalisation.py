@@ -25,7 +25,7 @@ from test_equivalence import (
     run_splits,
 )
 from test_multiprocess import finish, start
-from token_dirs import prompt_completion_docs, write_prepared
+from token_dirs import padded_prompt_completion
 
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
@@ -37,21 +37,7 @@ from jaxkit.train_step import build
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory):
     """Overrides that train lm_tiny (shrunk) on padded prompt/completion documents."""
-    out = tmp_path_factory.mktemp("prompt_completion")
-    write_prepared(
-        out,
-        {
-            "train": prompt_completion_docs(300, seed=1, max_len=12),
-            "eval": prompt_completion_docs(40, seed=2, max_len=12),
-        },
-        shard_docs=70,  # several shards: rows are read across shard files
-    )
-    return [
-        "data.source=tokens",
-        f"data.path={out}",
-        "data.rows=documents",
-        "model.vocab_size=257",
-    ]
+    return padded_prompt_completion(tmp_path_factory.mktemp("prompt_completion"))
 
 
 def test_rows_weigh_differently(padded):

@@ -18,7 +18,7 @@ from small_configs import SMALL_LM
 from test_cli import jaxkit
 from test_equivalence import LOSS_RTOL
 from test_experiments import _rows
-from token_dirs import prompt_completion_docs, write_prepared
+from token_dirs import padded_prompt_completion
 
 from jaxkit import experiments
 from jaxkit.batch_schedule import plan_from_config
@@ -37,15 +37,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory):
     """Overrides that train on padded prompt/completion documents of 2 to 7 targets."""
-    out = tmp_path_factory.mktemp("prompt_completion")
-    write_prepared(
-        out,
-        {
-            "train": prompt_completion_docs(300, seed=1, max_len=12),
-            "eval": prompt_completion_docs(40, seed=2, max_len=12),
-        },
-    )
-    return ["data.source=tokens", f"data.path={out}", "data.rows=documents", "model.vocab_size=257"]
+    return padded_prompt_completion(tmp_path_factory.mktemp("prompt_completion"))
 
 
 @pytest.fixture

@@ -72,3 +72,18 @@ def prompt_completion_docs(count: int, seed: int, max_len: int = 24) -> list:
         completion = prompt[: rng.integers(1, max_len // 2 + 1)]
         docs.append((prompt, completion))
     return docs
+
+
+def padded_prompt_completion(out: pathlib.Path, shard_docs: int = 70) -> list[str]:
+    """Writes 300 train and 40 eval prompt/completion documents (rows of 2 to 7 scored
+    targets at seq_len 16, in several shards) to `out`; returns the overrides that train
+    lm_tiny on them, one padded document per row."""
+    write_prepared(
+        out,
+        {
+            "train": prompt_completion_docs(300, seed=1, max_len=12),
+            "eval": prompt_completion_docs(40, seed=2, max_len=12),
+        },
+        shard_docs=shard_docs,
+    )
+    return ["data.source=tokens", f"data.path={out}", "data.rows=documents", "model.vocab_size=257"]
