@@ -302,17 +302,25 @@ def to_global_array(
     }
 
 
-_last_weight: list = [None, 0.0]  # the last step asked for: its K micro-steps ask K times
+# The last (source, rows asked for, weight), one tuple replaced whole: the prefetch thread
+# and the loop may both ask, and each reads a key with its own weight. The source itself,
+# not its id, is kept: a new source may take a freed one's id. A step's K micro-steps ask
+# for the same weight K times.
+_last_weight: list[tuple] = [(None, (), 0.0)]
 
 
 def step_weight(source: Source, first_example: int, rows: int, seed: int) -> float:
     """Σ weight of stream examples [first_example, first_example + rows): an optimizer
     step's (or a micro-step's) denominator, from per-row sums, the same on every process."""
-    key = (id(source), first_example, rows, seed)
-    if _last_weight[0] != key:
-        sums = row_weight_sums(source, stream_rows(first_example, rows, len(source), seed))
-        _last_weight[:] = [key, float(sums.sum())]
-    return _last_weight[1]
+    key = (first_example, rows, seed)
+    cached_source, cached_key, cached = _last_weight[0]
+    if cached_source is source and cached_key == key:
+        return cached
+    weight = float(
+        row_weight_sums(source, stream_rows(first_example, rows, len(source), seed)).sum()
+    )
+    _last_weight[0] = (source, key, weight)
+    return weight
 
 
 def _scale(weight: float, factor: float = 1.0) -> float:

@@ -158,3 +158,16 @@ def test_two_processes_match_the_reference(padded, tmp_path):
     np.testing.assert_allclose(
         [r["grad_norm"] for r in logged], ref_grad_norms, rtol=GRAD_NORM_RTOL
     )
+
+
+def test_a_new_source_never_gets_an_old_ones_step_weight(tmp_path):
+    """The step weight is cached for a step's K micro-steps: a second data set read at the
+    same position (a notebook's next run) must get its own."""
+    from jaxkit.data import ArraySource, step_weight
+
+    targets = np.zeros((8, 4), np.int32)
+    first = ArraySource(targets, targets, weights=np.ones((8, 4), np.float32))
+    assert step_weight(first, 0, 8, 0) == 32
+    del first  # its id may now be reused
+    second = ArraySource(targets, targets, weights=np.full((8, 4), 0.5, np.float32))
+    assert step_weight(second, 0, 8, 0) == 16
