@@ -75,11 +75,6 @@ class ArraySource:
             out["weights"] = self.weights[rows].astype(np.float32)
         return out
 
-    def row_weight_sums(self, rows: np.ndarray) -> np.ndarray:
-        if self.weights is None:
-            return np.full(len(rows), self.targets[0].size, dtype=np.float64)
-        return self.weights[rows].reshape(len(rows), -1).sum(axis=1, dtype=np.float64)
-
 
 @dataclasses.dataclass(frozen=True)
 class TokenWindows:
