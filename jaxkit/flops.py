@@ -86,7 +86,7 @@ def _runs(blocks: dict[str, list[str]]) -> dict[str, int]:
     for name, lines in blocks.items():
         for line in lines:
             body = re.search(r"\bbody=%?([\w.\-]+)", line)
-            trips = _trip_count(line, blocks) if body else 1
+            trips = _trip_count(line, blocks, lines) if body else 1
             for callee in hlo._CALLED.findall(line):
                 times = trips if body and callee == body.group(1) else 1
                 calls[name].append((callee, times))
@@ -131,26 +131,96 @@ def _convolution_flops(
     return 2.0 * out * rhs[labels.group(2).index("i")] * taps
 
 
-def _trip_count(while_line: str, blocks: dict[str, list[str]]) -> int:
-    """A while loop's trips: XLA's `known_trip_count` (CPU, GPU), else its condition's
-    `counter < N` against a constant (the TPU compiler's loops, counting up from 0)."""
+def _trip_count(while_line: str, blocks: dict[str, list[str]], caller: list[str]) -> int:
+    """A while loop's trips: XLA's `known_trip_count` (CPU, GPU), else read off the loop the
+    TPU compiler writes: its condition's `counter < N` (or `<=`) against a constant, the
+    counter's start in the loop's initial tuple (in `caller`), its step in the body's root
+    tuple. Its windowed matmuls over sharded weights start at 0 and step by 2."""
     known = _TRIPS.search(while_line)
     if known:
         return int(known.group(1))
     condition = re.search(r"\bcondition=%?([\w.\-]+)", while_line)
-    lines = blocks.get(condition.group(1), []) if condition else []
-    constants = {
-        m.group(1): int(m.group(2))
-        for m in (
-            re.match(r"\s*%([\w.\-]+)\s*=\s*s32\[\]\S*\s+constant\((-?\d+)\)", x) for x in lines
-        )
-        if m
-    }
-    for line in lines:
-        found = re.search(r"ROOT .*compare\(%[\w.\-]+, %([\w.\-]+)\), direction=(LT|LE)", line)
-        if found and found.group(1) in constants:
-            return constants[found.group(1)] + (found.group(2) == "LE")
+    body = re.search(r"\bbody=%?([\w.\-]+)", while_line)
+    cond_lines = blocks.get(condition.group(1), []) if condition else []
+    defs = _definitions(cond_lines)
+    for line in cond_lines:
+        found = re.search(r"ROOT .*compare\(%([\w.\-]+), %([\w.\-]+)\), direction=(LT|LE)", line)
+        if not found:
+            continue
+        limit = _constant(found.group(2), defs)
+        if limit is None:
+            break
+        limit += found.group(3) == "LE"
+        index = _tuple_index(defs.get(found.group(1), ""))
+        if index is None:  # a counter computed in the condition: from 0 by 1
+            return max(0, limit)
+        start = _loop_start(while_line, caller, index)
+        step = _loop_step(blocks.get(body.group(1), []) if body else [], index)
+        if step <= 0:
+            break
+        return max(0, -(-(limit - start) // step))
     return 1  # unknown: counted once, as cost_analysis() does
+
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+
+
+def _definitions(lines: list[str]) -> dict[str, str]:
+    """Each instruction's right-hand side, by name."""
+    return {m.group(1): m.group(2) for m in map(_DEF.match, lines) if m}
+
+
+def _constant(name: str, defs: dict[str, str]) -> int | None:
+    """The integer scalar `name` holds, through copies and conversions; None if not one."""
+    for _ in range(8):
+        rhs = defs.get(name, "")
+        found = re.match(r"[su](?:8|16|32|64)\[\]\S*\s+constant\((-?\d+)\)", rhs)
+        if found:
+            return int(found.group(1))
+        passed = re.match(
+            r"[su](?:8|16|32|64)\[\]\S*\s+(?:copy|convert|bitcast)\(%([\w.\-]+)\)", rhs
+        )
+        if not passed:
+            return None
+        name = passed.group(1)
+    return None
+
+
+def _tuple_index(rhs: str) -> int | None:
+    """The index of a `get-tuple-element` of the loop's parameter."""
+    found = re.search(r"get-tuple-element\(%[\w.\-]+\), index=(\d+)", rhs)
+    return int(found.group(1)) if found else None
+
+
+def _operands(rhs: str, op: str) -> list[str]:
+    found = re.search(rf"\b{op}\(([^)]*)\)", re.sub(r"/\*[^*]*\*/", "", rhs))
+    return [x.strip().lstrip("%") for x in found.group(1).split(",")] if found else []
+
+
+def _loop_start(while_line: str, caller: list[str], index: int) -> int:
+    """The counter's initial value: element `index` of the while's operand tuple (0 when it
+    is not a constant there: XLA's loops count up from 0)."""
+    defs = _definitions(caller)
+    names = _operands(while_line, "while")
+    elements = _operands(defs.get(names[0], ""), "tuple") if names else []
+    start = _constant(elements[index], defs) if index < len(elements) else None
+    return 0 if start is None else start
+
+
+def _loop_step(body: list[str], index: int) -> int:
+    """What the body adds to tuple element `index` each trip (1 when that is not plain)."""
+    defs = _definitions(body)
+    root = next((_DEF.match(line) for line in body if line.lstrip().startswith("ROOT ")), None)
+    elements = _operands(root.group(2), "tuple") if root else []
+    if index >= len(elements):
+        return 1
+    added = _operands(defs.get(elements[index], ""), "add")
+    if len(added) == 2:
+        for counter, amount in (added, added[::-1]):
+            step = _constant(amount, defs)
+            if step is not None and _tuple_index(defs.get(counter, "")) == index:
+                return step
+    return 1
 
 
 def _matmul_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> float:
