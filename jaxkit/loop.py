@@ -493,6 +493,9 @@ def resume_events(
             {
                 "event": "partial_step_redone",
                 "step": at.step,
+                # The counter goes back to the step's start: it counts the micro-steps
+                # the run kept, so the redone ones are counted once.
+                "micro_step": int(jax.device_get(restored.state.micro_step)),
                 "micro_steps_redone": restored.redone_micro_steps,
                 "examples_seen": at.examples,
             }

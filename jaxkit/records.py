@@ -73,7 +73,7 @@ class StepTracker:
         # The two counters as they stood when the current optimizer step began: what a
         # redone half-step goes back to.
         self.in_row_at_step_start = 0
-        self.micro_steps = 0  # micro-steps fetched in all, across resumes and splits
+        self.micro_steps = 0  # micro-steps kept in all, across resumes and splits
         self.first_step_s = 0.0  # the first optimizer step: warm-up, kept out of throughput
         self.first_step_done = False
         self.last_mark = time.perf_counter()

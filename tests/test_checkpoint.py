@@ -199,6 +199,10 @@ def test_checkpoints_move_between_multisteps_and_fused_at_step_boundaries(tmp_pa
     records = read_metrics(tmp_path / "mid")
     (redone,) = [r for r in records if r.get("event") == "partial_step_redone"]
     assert (redone["step"], redone["micro_steps_redone"]) == (2, 1)
+    # The counter goes back from 5 to the 4 micro-steps of the 2 steps kept.
+    assert redone["micro_step"] == 4
+    # K=2 throughout: each step kept adds 2, the redone one included once.
+    assert [r["micro_step"] for r in records if "loss" in r] == [2 * s for s in range(1, 7)]
     losses = [r["loss"] for r in records if "loss" in r]
     np.testing.assert_allclose(
         losses, [r["loss"] for r in full.records if "loss" in r], rtol=LOSS_RTOL
