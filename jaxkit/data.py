@@ -185,6 +185,13 @@ def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
         else:  # foreign files state no vocabulary: read their largest id once
             ranges = [token_files.token_range(s.tokens) for s in (train, held_out)]
             low, top = min(r[0] for r in ranges), max(r[1] for r in ranges)
+            dtype = d.get("token_dtype", "uint16")
+            odd_zero = all(r[2] for r in ranges)
+            if dtype == "uint16" and odd_zero and top > 0 and len(train.tokens) >= 16:
+                raise DataError(
+                    f"data.path={d.path!r}: every second uint16 id is 0, as when uint32 "
+                    "ids are read as uint16: set data.token_dtype=uint32"
+                )
             if low < 0:
                 raise DataError(f"data.path={d.path!r} holds token id {low}: ids are ≥ 0")
             if top >= vocab:

@@ -293,14 +293,17 @@ def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Spli
     )
 
 
-def token_range(stream: Stream, chunk: int = 1 << 24) -> tuple[int, int]:
+def token_range(stream: Stream, chunk: int = 1 << 24) -> tuple[int, int, bool]:
     """The smallest and largest ids in `stream`, read a chunk at a time (foreign files
-    state no vocabulary, and a signed .npy may hold negative ids)."""
-    low, top = 0, -1
+    state no vocabulary, and a signed .npy may hold negative ids), and whether every id at
+    an odd position of the files is 0: what little-endian uint32 ids below 65,536 look like
+    read as uint16."""
+    low, top, odd_zero = 0, -1, True
     for start in range(0, len(stream), chunk):
         part = stream.read(start, min(chunk, len(stream) - start))
         low, top = min(low, int(part.min())), max(top, int(part.max()))
-    return low, top
+        odd_zero = odd_zero and not part[(stream.lo + start + 1) % 2 :: 2].any()
+    return low, top, odd_zero
 
 
 def segments(inputs_BxL: np.ndarray, eod_id: int) -> tuple[np.ndarray, np.ndarray]:

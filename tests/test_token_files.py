@@ -186,9 +186,32 @@ def test_foreign_files_state_no_vocabulary_so_every_id_is_checked(tmp_path):
     stream = np.zeros(5000, dtype="<u2")
     stream[-3] = 512
     stream.tofile(tmp_path / "t.bin")
-    assert token_files.token_range(token_files.Stream([np.asarray(stream)]), chunk=64) == (0, 512)
+    assert token_files.token_range(token_files.Stream([np.asarray(stream)]), chunk=64)[:2] == (
+        0,
+        512,
+    )
     with pytest.raises(DataError, match="token id 512"):
         make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
+
+
+def test_uint32_ids_read_as_uint16_are_refused(tmp_path):
+    """uint32 ids below 65,536 read as uint16 give [id, 0, id, 0, ...]: ids in range, so only
+    the zeros at every odd position of the files show it, in both splits wherever they cut."""
+    ids = (np.arange(3001) % 200 + 1).astype("<u4")  # 3001: the held-out split cuts oddly
+    ids.tofile(tmp_path / "t.bin")
+    parts = [
+        token_files.Stream([np.fromfile(tmp_path / "t.bin", "<u2")], lo, hi)
+        for lo, hi in ((0, 5401), (5401, 6002))
+    ]
+    assert [token_files.token_range(p, chunk=64)[2] for p in parts] == [True, True]
+    with pytest.raises(DataError, match=r"every second uint16 id is 0.*data\.token_dtype=uint32"):
+        make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
+    make_sources(
+        lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin", "data.token_dtype=uint32")
+    )
+    # Real uint16 ids: one nonzero id at an odd position is enough to tell.
+    ids.astype("<u2").tofile(tmp_path / "t.bin")
+    make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
 
 
 def test_a_prepared_directory_is_checked_against_its_meta(tmp_path):
