@@ -65,7 +65,11 @@ def fused_train_step(
             return jax.tree.map(jnp.add, grad_sum, grads), (loss, ~finite, norm**2)
 
         zeros = jax.tree.map(jnp.zeros_like, float32(params))
-        grad_sum, (losses, nonfinite, small_sq) = jax.lax.scan(micro, zeros, batch_KxB)
+        if accum_steps == 1:  # no scan: the TPU compiler ran a one-trip scan's layers twice
+            grad_sum, out = micro(zeros, jax.tree.map(lambda x: x[0], batch_KxB))
+            losses, nonfinite, small_sq = (x[None] for x in out)
+        else:
+            grad_sum, (losses, nonfinite, small_sq) = jax.lax.scan(micro, zeros, batch_KxB)
         # One group's share of one micro-batch weighs about 1 / (K × groups) of the step:
         # scaled back, its gradient is that share's mean-loss gradient (the noise scale's
         # small batch), exactly so for unweighted rows.

@@ -255,5 +255,27 @@ def test_tpu_windowed_matmuls_over_sharded_weights_count_each_trip():
     assert hardware_flops(text) == 3 * 2 * (rows // 8) * d_in * d_out
 
 
+def test_tpu_fused_step_of_one_micro_step_runs_the_model_once():
+    """Fused, K = 1, scanned layers across 2 data groups: compiled for a TPU, a scan of one
+    micro-step ran the layer loops twice (2.33 hardware FLOPs per model FLOP)."""
+    from jaxkit.targets import parse_target, target_devices
+
+    config = load_config("llama_tiny")
+    apply_overrides(
+        config,
+        [
+            *LLAMA,
+            "model.scan_layers=true",
+            "train.accumulation=fused",
+            "mesh.data=2",
+            "mesh.fsdp=-1",
+        ],
+    )
+    split = costs.split_config(config, 2, 1)
+    plan = plan_from_config(split, {"data": 2, "fsdp": 4, "tensor": 1})
+    cost = costs.step_cost(split, plan, target_devices(parse_target("v5litepod-8")))
+    assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.01)
+
+
 def plan_shape(plan):
     return {"data": plan.data_parallel_size, "fsdp": 1, "tensor": 1}

@@ -59,6 +59,25 @@ def test_fused_follows_the_multisteps_trajectory(name, devices, per_device):
     assert int(b.state.micro_step) == int(a.state.micro_step)
 
 
+def test_fused_with_one_micro_step_follows_the_multisteps_trajectory():
+    """K = 1 takes no scan (a scan of one trip made the TPU compiler run the model twice)."""
+    results = {
+        mode: train(
+            config_for("lm_tiny", mode, 4),
+            devices=jax.devices()[:8],
+            progress=False,
+            echo=lambda *a: None,
+        )
+        for mode in ("multisteps", "fused")
+    }
+    a, b = results["multisteps"], results["fused"]
+    assert b.plan.grad_accum_steps == 1
+    losses = lambda r: np.array([x["loss"] for x in r.records if "loss" in x])  # noqa: E731
+    np.testing.assert_allclose(losses(b), losses(a), rtol=LOSS_RTOL)
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=PARAM_ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("accum", [4, 8])
 def test_fused_all_reduces_once_per_optimizer_step_multisteps_k_times(accum):
     per_step = {}
