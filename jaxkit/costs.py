@@ -296,11 +296,20 @@ def cost_of(
     memory = compiled.memory_analysis()
     if memory is None:
         raise RuntimeError("this backend gives no memory analysis of compiled programs")
+    held = memory.argument_size_in_bytes + memory.output_size_in_bytes
+    held -= memory.alias_size_in_bytes
+    temp = int(memory.temp_size_in_bytes)
+    peak = int(getattr(memory, "peak_memory_in_bytes", 0) or 0)
+    if temp == 0 and peak > held:
+        # The TPU compiler reports no temporaries for some programs (a fused step with
+        # remat=full) while its own peak is well above the state: the peak's excess is
+        # what the step holds besides its arguments and outputs.
+        temp = peak - held
     return StepCost(
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
-        temp_bytes=int(memory.temp_size_in_bytes),
+        temp_bytes=temp,
         flops_per_call=_flops(compiled),
         calls_per_step=calls_per_step,
         update_flops=update,
