@@ -84,9 +84,12 @@ def _runs(blocks: dict[str, list[str]]) -> dict[str, int]:
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     called: set[str] = set()
     for name, lines in blocks.items():
+        defs: dict[str, str] | None = None  # this computation's, read at its first loop
         for line in lines:
             body = re.search(r"\bbody=%?([\w.\-]+)", line)
-            trips = _trip_count(line, blocks, lines) if body else 1
+            if body and defs is None:
+                defs = _definitions(lines)
+            trips = _trip_count(line, blocks, defs or {}) if body else 1
             for callee in hlo._CALLED.findall(line):
                 times = trips if body and callee == body.group(1) else 1
                 calls[name].append((callee, times))
@@ -131,11 +134,11 @@ def _convolution_flops(
     return 2.0 * out * rhs[labels.group(2).index("i")] * taps
 
 
-def _trip_count(while_line: str, blocks: dict[str, list[str]], caller: list[str]) -> int:
+def _trip_count(while_line: str, blocks: dict[str, list[str]], caller: dict[str, str]) -> int:
     """A while loop's trips: XLA's `known_trip_count` (CPU, GPU), else read off the loop the
     TPU compiler writes: its condition's `counter < N` (or `<=`) against a constant, the
-    counter's start in the loop's initial tuple (in `caller`), its step in the body's root
-    tuple. Its windowed matmuls over sharded weights start at 0 and step by 2."""
+    counter's start in the loop's initial tuple (among `caller`'s definitions), its step in
+    the body's root tuple. Its windowed matmuls over sharded weights start at 0, step by 2."""
     known = _TRIPS.search(while_line)
     if known:
         return int(known.group(1))
@@ -197,10 +200,9 @@ def _operands(rhs: str, op: str) -> list[str]:
     return [x.strip().lstrip("%") for x in found.group(1).split(",")] if found else []
 
 
-def _loop_start(while_line: str, caller: list[str], index: int) -> int:
+def _loop_start(while_line: str, defs: dict[str, str], index: int) -> int:
     """The counter's initial value: element `index` of the while's operand tuple (0 when it
     is not a constant there: XLA's loops count up from 0)."""
-    defs = _definitions(caller)
     names = _operands(while_line, "while")
     elements = _operands(defs.get(names[0], ""), "tuple") if names else []
     start = _constant(elements[index], defs) if index < len(elements) else None
