@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import pathlib
+import sys
+import threading
 import warnings
 
 import jax
@@ -26,6 +28,10 @@ from jaxkit.config import flatten
 # the others stop. The environment may shorten them (the tests do).
 JOIN_TIMEOUT_S = int(os.environ.get("JAXKIT_JOIN_TIMEOUT_S", "120"))
 HEARTBEAT_TIMEOUT_S = int(os.environ.get("JAXKIT_HEARTBEAT_TIMEOUT_S", "60"))
+# jax's own bound on the join comes later: when it is reached, jax aborts the process from
+# C++ (SIGABRT, exit 134, a stack trace), so jaxkit's watchdog must speak first.
+JAX_JOIN_TIMEOUT_S = JOIN_TIMEOUT_S + 30
+JOIN_FAILED = 1  # exit status of a process whose peers did not all join
 
 
 class DistributedError(RuntimeError):
@@ -127,7 +133,7 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
             f"process_id={process_id})"
         )
     if all(given):
-        assert num_processes is not None and process_id is not None
+        assert coordinator is not None and num_processes is not None and process_id is not None
         if not 0 <= process_id < num_processes:
             raise DistributedError(f"--process-id {process_id} is not in [0, {num_processes})")
         print(
@@ -136,17 +142,9 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
             f"{HEARTBEAT_TIMEOUT_S} s stops the run",
             flush=True,
         )
-        jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=num_processes,
-            process_id=process_id,
-            initialization_timeout=JOIN_TIMEOUT_S,
-            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
-        )
+        _join(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     elif on_cloud_tpu_vm():
-        jax.distributed.initialize(
-            initialization_timeout=JOIN_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S
-        )
+        _join()
     elif (cluster := detected_cluster()) is not None:
         print(
             f"{cluster} cluster detected: joining its processes as jax.distributed finds them "
@@ -155,9 +153,50 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
             "stops the run",
             flush=True,
         )
-        jax.distributed.initialize(
-            initialization_timeout=JOIN_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S
+        _join()
+
+
+def _derived_coordinator() -> str | None:
+    """The address jax derived for a detected cluster; it sets it before it connects."""
+    try:
+        from jax._src.distributed import global_state
+    except ImportError:  # moved in another jax: the message says "the coordinator"
+        return None
+    address = getattr(global_state, "coordinator_address", None)
+    return address if isinstance(address, str) else None
+
+
+def _join(**given: str | int) -> None:
+    """`jax.distributed.initialize`, where peers that have not all joined in time are one line.
+
+    jax would abort from C++ instead (exit 134 and a stack trace that blames "another task").
+    Its connect releases the GIL, so a watchdog thread can give the error and exit first;
+    jax's own bound stays, later, for a join the watchdog somehow misses.
+    """
+    joined = threading.Event()
+
+    def watchdog() -> None:
+        if joined.wait(JOIN_TIMEOUT_S):
+            return
+        address = given.get("coordinator_address") or _derived_coordinator() or "the coordinator"
+        print(
+            f"jaxkit: error: not every process joined the run at {address} within "
+            f"{JOIN_TIMEOUT_S} s: start the same command as every process of the job, each "
+            f"able to reach {address}, or raise JAXKIT_JOIN_TIMEOUT_S",
+            file=sys.stderr,
+            flush=True,
         )
+        os._exit(JOIN_FAILED)  # the main thread is inside jax's connect, in C++
+
+    threading.Thread(target=watchdog, name="jaxkit-join-watchdog", daemon=True).start()
+    try:
+        jax.distributed.initialize(
+            initialization_timeout=JAX_JOIN_TIMEOUT_S,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            **given,  # type: ignore[arg-type]
+        )
+    finally:
+        joined.set()
 
 
 def check_agreement(resolved: dict) -> None:

@@ -1,7 +1,11 @@
-"""Joining a cluster that jax finds by itself, without starting one (jax's call is recorded)."""
+"""Joining a cluster that jax finds by itself: jax's call is recorded, and one real process
+shows what a user sees when a peer never joins."""
 
 import importlib.machinery
 import os
+import random
+import socket
+import subprocess
 import sys
 import types
 import warnings
@@ -12,10 +16,11 @@ from jax._src.clusters import K8sCluster, cloud_tpu_cluster
 
 from jaxkit import distributed
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "TPU_", "MEGASCALE_", "JAXKIT_")
 CLUSTER_VARIABLES = ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX")
 TIMEOUTS = {
-    "initialization_timeout": distributed.JOIN_TIMEOUT_S,
+    "initialization_timeout": distributed.JAX_JOIN_TIMEOUT_S,
     "heartbeat_timeout_seconds": distributed.HEARTBEAT_TIMEOUT_S,
 }
 SLURM = {  # one task of `srun --nodes=2 --ntasks-per-node=8`
@@ -139,3 +144,53 @@ def test_flags_override_a_detected_cluster(joins, monkeypatch, capsys, how):
     given = {"coordinator_address": "10.1.2.3:5555", "num_processes": 2, "process_id": 1}
     assert joins == [{**given, **TIMEOUTS}]
     assert capsys.readouterr().out.startswith("joining 2 processes at 10.1.2.3:5555")
+
+
+SLURM_FIRST_PORT = 65536 - 2**12
+
+
+def _held_slurm_port() -> socket.socket:
+    """A loopback port in SLURM's coordinator range, held as tests/test_multiprocess.py does.
+
+    jax derives the coordinator's port from the job id (61440 + id mod 4096); SO_REUSEPORT lets
+    the coordinator bind it too while anything else is kept off.
+    """
+    for port in random.sample(range(SLURM_FIRST_PORT, 65536), 64):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            continue
+        return s
+    raise AssertionError("no free port in SLURM's coordinator range")
+
+
+def test_a_slurm_peer_that_never_joins_is_one_line_not_an_abort(tmp_path):
+    # Task 0 of a 2-task job step whose task 1 never starts: without the watchdog jax aborts
+    # from C++ (status 134, a stack trace) once its own join timeout passes.
+    holder = _held_slurm_port()
+    port = holder.getsockname()[1]
+    slurm = {
+        "SLURM_JOB_ID": str(port - SLURM_FIRST_PORT),
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(CLUSTER_PREFIXES)}
+    env.update(slurm, JAXKIT_JOIN_TIMEOUT_S="2", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "jaxkit", "train", "mlp_digits", "--workdir", str(tmp_path)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    finally:
+        holder.close()
+    assert "SLURM cluster detected" in done.stdout
+    assert done.returncode == distributed.JOIN_FAILED, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"jaxkit: error: not every process joined the run at localhost:{port} within 2 s: start "
+        "the same command as every process of the job, each able to reach "
+        f"localhost:{port}, or raise JAXKIT_JOIN_TIMEOUT_S"
+    )
+    assert "Check failure" not in done.stderr and "Terminating process" not in done.stderr
