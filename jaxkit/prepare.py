@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import glob
 import json
 import multiprocessing
@@ -19,7 +20,7 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,8 +164,12 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
 
     A file is itself; a directory gives its files, recursively and sorted, hidden ones
     (`.git`, `.DS_Store`) and Python's bytecode caches (`__pycache__`) left out; a glob
-    (`*`, `?`, `[`, `**` for any depth) gives its sorted matches.
+    (`*`, `?`, `[`, `**` for any depth) gives its sorted matches. Prepared directories
+    (a jaxkit meta.json) and half-built ones (`DIR.partial-PID`) are never inputs: a
+    directory or glob leaves them out, and naming one or a file inside one is refused.
     """
+    # Asked once per directory and call: a directory prepared since an earlier call counts.
+    prepared = functools.cache(_prepared_dir)
     files: dict[str, Path] = {}  # by real path: `a/x`, `./a/x` and a link to it are one file
     for given in inputs:
         if any(c in given for c in "*?["):
@@ -172,17 +177,57 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
             matches = [m for m in matches if not _skipped_dir(m) and not _in_cache(m)]
             if not matches:
                 raise PrepareError(f"{given}: matched no file")
+            matches = [m for m in matches if _prepared_ancestor(m, prepared) is None]
+            if not matches:
+                raise PrepareError(
+                    f"{given}: matched only prepared token directories, which are never inputs"
+                )
         elif os.path.lexists(given):
+            inside = _prepared_ancestor(given, prepared)
+            if inside is not None:
+                where = "is" if inside == os.path.abspath(given) else "lies in"
+                raise PrepareError(
+                    f"{given}: {where} {inside}, prepared tokens ({token_format.META_NAME} or a "
+                    "DIR.partial-PID): train on it with data.path, or prepare its source text"
+                )
             matches = [given]
         else:
             raise PrepareError(f"{given}: no such file or directory")
         for match in matches:
-            found = _walk(Path(match)) if os.path.isdir(match) else [Path(match)]
+            found = _walk(Path(match), prepared) if os.path.isdir(match) else [Path(match)]
             if not found:
                 raise PrepareError(f"{match}: a directory with no files")
             for path in found:
                 files.setdefault(os.path.realpath(path), path)
     return list(files.values())
+
+
+def _prepared_dir(directory: str) -> bool:
+    """Whether `directory` holds prepared tokens (its meta.json is jaxkit's) or is a
+    prepare's half-built `DIR.partial-PID`: shards, never text to prepare."""
+    name = os.path.basename(directory.rstrip(os.sep))
+    stem, _, pid = name.rpartition(".partial-")
+    if stem and pid.isdigit():
+        return True
+    try:
+        with open(os.path.join(directory, token_format.META_NAME), "rb") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):  # none, or a meta.json of some other kind (a document)
+        return False
+    return isinstance(meta, dict) and meta.get("format") == token_format.FORMAT
+
+
+def _prepared_ancestor(path: str, prepared: Callable[[str], bool]) -> str | None:
+    """The prepared directory (absolute) that `path` is or lies in; None if neither."""
+    candidate = os.path.abspath(path)
+    if not os.path.isdir(candidate):
+        candidate = os.path.dirname(candidate)
+    while not prepared(candidate):
+        parent = os.path.dirname(candidate)
+        if parent == candidate:
+            return None
+        candidate = parent
+    return candidate
 
 
 def _in_cache(path: str) -> bool:
@@ -196,10 +241,15 @@ def _skipped_dir(path: str) -> bool:
     return os.path.isdir(path) and (name.startswith(".") or name == "__pycache__")
 
 
-def _walk(root: Path) -> list[Path]:
+def _walk(root: Path, prepared: Callable[[str], bool]) -> list[Path]:
     found = []
     for parent, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not _skipped_dir(os.path.join(parent, d))]
+        dirs[:] = [
+            d
+            for d in dirs
+            if not _skipped_dir(os.path.join(parent, d))
+            and not prepared(os.path.abspath(os.path.join(parent, d)))
+        ]
         found += [Path(parent, n) for n in names if not n.startswith(".")]
     return sorted(found)
 

@@ -631,3 +631,48 @@ def test_what_users_hand_prepare_by_mistake(tmp_path, monkeypatch):
     prepare([str(corpus / "doc001.txt"), str(corpus / "doc002.txt")], "bytes", tmp_path / "o3",
             eval_fraction=0.5, progress=False)  # fmt: skip
     assert not stale.exists() and (tmp_path / "o3" / "meta.json").is_file()
+
+
+def prepare_cli(capsys, *argv):
+    """`jaxkit data prepare argv` in this process, one worker: its stdout, after exit 0."""
+    code = cli.main(["data", "prepare", *argv, "--no-progress", "--workers", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def test_every_prepared_directory_is_left_out_of_the_inputs(tmp_path, capsys):
+    # corp/ holds 9 texts and a meta.json of its own kind (a document); what prepare writes
+    # into corp/ (and a killed prepare's half-built directory) is never read back.
+    corp = tmp_path / "corp"
+    texts = [f"document {i}" for i in range(9)]
+    write_texts(corp, texts)
+    (corp / "notes").mkdir()
+    (corp / "notes" / "meta.json").write_text('{"author": "me"}')
+    (corp / "tok3.partial-999999").mkdir()
+    (corp / "tok3.partial-999999" / "train-00000.bin").write_bytes(b"\x01\x00" * 8)
+    expected = sorted([t.encode() for t in texts] + [b'{"author": "me"}'])
+    for out in ("tok", "tok2"):
+        argv = [str(corp), "--tokenizer", "bytes", "--eval-fraction", "0.2"]
+        prepare_cli(capsys, *argv, "--out", str(corp / out))
+        train, _ = read_split(corp / out, "train")
+        held, _ = read_split(corp / out, "eval")
+        assert sorted(as_bytes(train + held)) == expected  # 10, not 15
+    names = sorted(os.listdir(corp / "tok"))
+    assert names == sorted(os.listdir(corp / "tok2"))
+    for name in names:  # the same inputs, so the same files
+        assert (corp / "tok" / name).read_bytes() == (corp / "tok2" / name).read_bytes()
+    # A glob that reaches into them leaves them out too.
+    argv = [str(corp / "**"), "--tokenizer", "bytes", "--eval-fraction", "0.2"]
+    prepare_cli(capsys, *argv, "--out", str(tmp_path / "g"))
+    train, _ = read_split(tmp_path / "g", "train")
+    held, _ = read_split(tmp_path / "g", "eval")
+    assert sorted(as_bytes(train + held)) == expected
+    # Named outright, one or a file of one is refused, naming the directory.
+    tok = corp / "tok"
+    plain = ["--tokenizer", "bytes", "--out", str(tmp_path / "x"), "--eval-fraction", "0.5"]
+    refused([str(tok), *plain], tmp_path, capsys, f"tok: is {tok}, prepared tokens")
+    refused(
+        [str(tok / "train-00000.bin"), *plain], tmp_path, capsys, f"bin: lies in {tok}, prepared"
+    )
+    refused([str(tok / "*"), *plain], tmp_path, capsys, "matched only prepared token directories")
