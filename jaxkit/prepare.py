@@ -10,16 +10,20 @@ training run could read.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import contextlib
 import functools
 import glob
+import gzip
+import io
 import json
 import multiprocessing
 import os
 import shutil
 import signal
 import sys
+import zlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -49,7 +53,7 @@ class PrepareError(ValueError):
 class Document:
     """One document: its text, after a prompt when it is a prompt/completion pair."""
 
-    text: str | bytes  # bytes: a text file for the bytes tokenizer, taken as it is on disk
+    text: str | bytes  # bytes: a text file for the bytes tokenizer, its UTF-8 as on disk
     prompt: str | None = None  # masked out (0) in the .mask file
 
 
@@ -255,58 +259,99 @@ def _walk(root: Path, prepared: Callable[[str], bool]) -> list[Path]:
 
 
 def _kind(path: Path) -> str:
-    suffix = path.suffix.lower()
+    """How `path` is read: ".jsonl", ".parquet" or "text", by its name less a final ".gz"."""
+    suffix = Path(path.name.lower().removesuffix(".gz")).suffix
     return suffix if suffix in (".jsonl", ".parquet") else "text"
 
 
-def count_documents(path: Path) -> int:
-    """How many documents `path` holds, read without tokenizing (a Parquet file's footer)."""
+def _gzipped(path: Path) -> bool:
+    return path.name.lower().endswith(".gz")
+
+
+def _open(path: Path) -> io.BufferedIOBase:
+    """`path`'s bytes, decompressed as they are read when it is a `.gz`."""
+    return gzip.open(path, "rb") if _gzipped(path) else open(path, "rb")
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """A failure to read `path` as one line naming it."""
     try:
-        if _kind(path) == ".parquet":
-            return _parquet_file(path).metadata.num_rows
-        with open(path, "rb") as f:
-            return sum(1 for line in f if line.strip()) if _kind(path) == ".jsonl" else 1
+        yield
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # EOFError: cut short
+        if not _gzipped(path):
+            raise
+        raise PrepareError(
+            f"{path}: not a whole gzip file ({err}): give it complete, or uncompressed"
+        ) from None
     except OSError as err:
         raise PrepareError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
+def count_documents(path: Path) -> int:
+    """How many documents `path` holds, read without tokenizing (a Parquet file's footer)."""
+    if _kind(path) == ".parquet" and _gzipped(path):
+        # pyarrow reads a Parquet file by seeking to its footer, which a gzip stream lacks.
+        raise PrepareError(
+            f"{path}: a gzip-compressed Parquet file: gunzip it (Parquet compresses its own "
+            "columns)"
+        )
+    with _reading(path):
+        if _kind(path) == ".parquet":
+            return _parquet_file(path).metadata.num_rows
+        with _open(path) as f:  # one document too: a broken link is refused before writing
+            return sum(1 for line in f if line.strip()) if _kind(path) == ".jsonl" else 1
+
+
 def read_documents(paths: Iterable[Path], as_text: bool) -> Iterator[Document]:
     """Every document of `paths`, in order. `as_text`: text files decoded as UTF-8 (for a
-    tokenizer.json); otherwise kept as bytes (for the bytes tokenizer)."""
+    tokenizer.json); otherwise kept as bytes (for the bytes tokenizer), once checked to be
+    UTF-8."""
     for path in paths:
-        try:
+        with _reading(path):
             if _kind(path) == ".jsonl":
                 yield from _jsonl_documents(path)
             elif _kind(path) == ".parquet":
                 yield from _parquet_documents(path)
             else:
                 yield _text_document(path, as_text)
-        except OSError as err:
-            raise PrepareError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
 def _text_document(path: Path, as_text: bool) -> Document:
-    raw = path.read_bytes()
-    if not as_text:
-        return Document(raw)
+    with _open(path) as f:
+        raw = f.read()
+    text = _utf8(raw, str(path), _gzipped(path))
+    return Document(text if as_text else raw)
+
+
+def _utf8(raw: bytes, where: str, gzipped: bool, offset: int = 0) -> str:
+    """`raw` decoded; bytes that are not UTF-8 are refused, naming the first bad one
+    (`offset`: where `raw` starts in its file)."""
     try:
-        return Document(raw.decode("utf-8"))
+        return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise PrepareError(
-            f"{path}: not UTF-8 text (byte {err.start}); a tokenizer.json encodes text, "
-            "--tokenizer bytes takes any bytes"
+            f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at "
+            f"{'decompressed' if gzipped else 'file'} offset {offset + err.start}): convert "
+            "it to UTF-8 first (iconv -f LATIN1 -t UTF-8, say)"
         ) from None
 
 
 def _jsonl_documents(path: Path) -> Iterator[Document]:
-    with open(path, "rb") as f:
+    offset = 0  # of the line in the (decompressed) file
+    with _open(path) as f:
         for number, line in enumerate(f, 1):
+            start, offset = offset, offset + len(line)
             if not line.strip():
                 continue
             where = f"{path}:{number}"
+            # json.loads, given bytes, took a byte order mark at the start: it still does.
+            if start == 0 and line.startswith(codecs.BOM_UTF8):
+                line, start = line[len(codecs.BOM_UTF8) :], len(codecs.BOM_UTF8)
+            text = _utf8(line, where, _gzipped(path), start)
             try:
-                record = json.loads(line)
-            except ValueError as err:  # bad JSON or bad UTF-8
+                record = json.loads(text)
+            except ValueError as err:
                 raise PrepareError(f"{where}: not JSON: {err}") from None
             yield _record_document(record, where)
 
@@ -543,7 +588,7 @@ def prepare(
     Args:
       inputs: files, directories and globs (see `expand_inputs`); `.jsonl` files hold a
         document per line, `.parquet` files one per row of their `text` column, any other
-        file is one document.
+        file is one document; a `.gz` is read decompressed. Text must be UTF-8.
       tokenizer: "bytes" (a token per byte) or a Hugging Face tokenizer.json path.
       eval_fraction: of the documents, held out whole in the eval split, drawn with `seed`.
       shard_tokens: the most tokens a shard holds, unless one document alone has more.

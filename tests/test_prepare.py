@@ -1,5 +1,7 @@
 """`jaxkit data prepare`: what it writes, read back independently of jaxkit/prepare.py."""
 
+import gzip
+import io
 import json
 import os
 import subprocess
@@ -101,7 +103,7 @@ def as_bytes(tokens):
 
 
 def test_bytes_tokens_are_each_documents_bytes_then_256(tmp_path):
-    texts = [b"hello", "héllo wörld\n".encode(), b"", b"\xff\xfe not UTF-8", b"x" * 40]
+    texts = [b"hello", "héllo wörld\n".encode(), b"", "🚀 four bytes".encode(), b"x" * 40]
     texts += [f"document {i}".encode() for i in range(15)]
     write_texts(tmp_path / "in", texts)
     meta = prepare(
@@ -419,7 +421,7 @@ def test_errors_exit_2_with_the_reason_and_write_nothing(inputs, bpe, capsys):
         [str(bad / "latin1.txt"), good, *out, "--tokenizer", bpe, "--eval-fraction", "0.3"],
         inputs,
         capsys,
-        "latin1.txt: not UTF-8 text (byte 3)",
+        "latin1.txt: not UTF-8 text (byte 0xe9 at file offset 3)",
     )
     refused([good, *out, "--tokenizer", "bytes"], inputs, capsys, "of 7 documents holds out 0")
     refused([good, *plain, "--eval-fraction", "0.95"], inputs, capsys, "holds out 7")
@@ -676,3 +678,102 @@ def test_every_prepared_directory_is_left_out_of_the_inputs(tmp_path, capsys):
         [str(tok / "train-00000.bin"), *plain], tmp_path, capsys, f"bin: lies in {tok}, prepared"
     )
     refused([str(tok / "*"), *plain], tmp_path, capsys, "matched only prepared token directories")
+
+
+def gzip_file(path, data):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(data))
+    return path
+
+
+def test_gzip_inputs_are_read_as_their_uncompressed_selves(tmp_path, bpe, capsys):
+    texts = [*CORPUS, *(f"line {i}: the fox and the dog" for i in range(6))]
+    lines = [{"text": t} for t in texts[:5]] + [{"prompt": "Q: 2+2?", "completion": " 4"}] * 3
+    jsonl = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
+    write_texts(tmp_path / "plain", texts[5:])
+    (tmp_path / "plain" / "pairs.jsonl").write_bytes(jsonl)
+    for i, text in enumerate(texts[5:]):  # the same names, .gz added: the same order
+        gzip_file(tmp_path / "gz" / f"doc{i:03d}.txt.gz", text.encode())
+    gzip_file(tmp_path / "gz" / "pairs.jsonl.gz", jsonl)
+    for tokenizer in ("bytes", bpe):
+        common = ["--tokenizer", tokenizer, "--eval-fraction", "0.25", "--shard-tokens", "200"]
+        plain, gz = tmp_path / "out" / "plain", tmp_path / "out" / "gz"
+        prepare_cli(capsys, str(tmp_path / "plain"), *common, "--out", str(plain), "--overwrite")
+        prepare_cli(capsys, str(tmp_path / "gz"), *common, "--out", str(gz), "--overwrite")
+        meta = json.loads((gz / "meta.json").read_text())
+        assert sum(meta["num_documents"].values()) == len(texts[5:]) + len(lines)
+        assert meta == json.loads((plain / "meta.json").read_text()) and meta["masked"]
+        assert sorted(os.listdir(plain)) == sorted(os.listdir(gz))
+        for name in os.listdir(plain):
+            assert (plain / name).read_bytes() == (gz / name).read_bytes(), (tokenizer, name)
+
+
+def test_a_damaged_gzip_or_a_gzipped_parquet_is_refused(tmp_path, capsys):
+    packed = gzip.compress(b'{"text": "a"}\n' * 400)
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    (tmp_path / "plain.txt.gz").write_bytes(b"not compressed at all")
+    corrupt = bytearray(gzip.compress(b"some text " * 50))
+    corrupt[-8] ^= 0xFF  # the CRC of the uncompressed bytes
+    (tmp_path / "crc.txt.gz").write_bytes(bytes(corrupt))
+    buffer = io.BytesIO()
+    pyarrow.parquet.write_table(pyarrow.table({"text": ["x", "y"]}), buffer)
+    gzip_file(tmp_path / "rows.parquet.gz", buffer.getvalue())
+    write_texts(tmp_path / "good", ["one", "two", "three"])
+    plain = ["--tokenizer", "bytes", "--out", str(tmp_path / "o"), "--eval-fraction", "0.3"]
+    good = str(tmp_path / "good")
+    for name, reason in [
+        ("cut.jsonl.gz", "end-of-stream marker"),
+        ("plain.txt.gz", "Not a gzipped file"),
+        ("crc.txt.gz", "CRC check failed"),
+    ]:
+        refused(
+            [good, str(tmp_path / name), *plain],
+            tmp_path,
+            capsys,
+            f"{name}: not a whole gzip file (",
+            reason,
+        )
+    refused(
+        [good, str(tmp_path / "rows.parquet.gz"), *plain],
+        tmp_path,
+        capsys,
+        "rows.parquet.gz: a gzip-compressed Parquet file: gunzip it",
+    )
+
+
+def test_text_that_is_not_utf8_is_refused_by_every_tokenizer(tmp_path, bpe, capsys):
+    # README lists it among the refusals; each names the file, and the line of a .jsonl, and
+    # the offset of the first bad byte in the file (decompressed, for a .gz).
+    latin1 = "naïve café".encode("latin-1")
+    first = latin1.index(b"\xef")  # "ï" is 0xef in Latin-1, not a UTF-8 sequence here
+    jsonl = b'{"text": "ok"}\n\n{"text": "' + latin1 + b'"}\n'
+    at_jsonl = jsonl.index(b"\xef")
+    valid = "utf-8 first: é, ".encode()  # the offset counts bytes, not characters
+    write_texts(tmp_path / "good", ["one", "two", "three"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "latin1.txt").write_bytes(latin1)
+    (tmp_path / "bad" / "latin1.jsonl").write_bytes(jsonl)
+    gzip_file(tmp_path / "bad" / "latin1.txt.gz", valid + latin1)
+    good = str(tmp_path / "good")
+    for tokenizer in ("bytes", bpe):
+        plain = ["--tokenizer", tokenizer, "--out", str(tmp_path / "o"), "--eval-fraction", "0.3"]
+        bad = tmp_path / "bad"
+        refused(
+            [good, str(bad / "latin1.txt"), *plain],
+            tmp_path,
+            capsys,
+            f"latin1.txt: not UTF-8 text (byte 0xef at file offset {first})",
+        )
+        refused(
+            [good, str(bad / "latin1.jsonl"), *plain],
+            tmp_path,
+            capsys,
+            f"latin1.jsonl:3: not UTF-8 text (byte 0xef at file offset {at_jsonl})",
+        )
+        refused(
+            [good, str(bad / "latin1.txt.gz"), *plain],
+            tmp_path,
+            capsys,
+            "latin1.txt.gz: not UTF-8 text "
+            f"(byte 0xef at decompressed offset {len(valid) + first})",
+        )
