@@ -14,6 +14,7 @@ import io
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -837,20 +838,30 @@ def _max_batch(
     from jaxkit import costs
 
     searches: list[tuple[str | None, costs.BatchSearch]] = []
+    began = time.perf_counter()
+    # Each compile is announced as it starts (on stderr, so --json's stdout stays one
+    # document): for a TPU slice one can take minutes, and silence looks like a hang.
     for policy in policies:
         label = f"  remat={policy} " if len(policies) > 1 else "  "
 
+        def starting(b: int, label: str = label) -> None:
+            elapsed = time.perf_counter() - began
+            print(
+                f"{label}per_device_batch_size={b}: compiling ({elapsed:.1f} s into the search)",
+                file=sys.stderr,
+                flush=True,
+            )
+
         def progress(b: int, memory: int | None, label: str = label) -> None:
-            if not as_json:
-                said = (
-                    costs.format_bytes(memory)
-                    if memory is not None
-                    else "more than the device has (the compiler refused it)"
-                )
-                print(f"{label}per_device_batch_size={b}: {said}", file=sys.stderr)
+            said = (
+                costs.format_bytes(memory)
+                if memory is not None
+                else "more than the device has (the compiler refused it)"
+            )
+            print(f"{label}per_device_batch_size={b}: {said}", file=sys.stderr, flush=True)
 
         found = costs.max_per_device_batch(
-            costs.with_remat(config, policy), devices, budget, progress=progress
+            costs.with_remat(config, policy), devices, budget, progress=progress, starting=starting
         )
         searches.append((policy, found))
 

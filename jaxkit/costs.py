@@ -486,12 +486,14 @@ def max_per_device_batch(
     budget: int,
     limit: int = 1 << 20,
     progress: Callable[[int, int | None], None] = lambda b, memory: None,
+    starting: Callable[[int], None] = lambda b: None,
 ) -> BatchSearch:
     """The largest per-device batch whose compiled step fits `budget`, by compile-only search.
 
     Memory grows with the per-device micro-batch (not with accumulation), so the search
     compiles K = 1 steps: doubling until one does not fit, then bisecting between the last
-    fit and the first miss. About 2·log2(answer) compiles.
+    fit and the first miss. About 2·log2(answer) compiles. `starting(b)` is called as each
+    compile begins (one for a TPU slice can take minutes), `progress(b, memory)` as it ends.
     """
     start = time.perf_counter()
     shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
@@ -501,6 +503,7 @@ def max_per_device_batch(
 
     def fits(b: int) -> bool:
         split = split_config(config, b, 1)
+        starting(b)
         try:
             cost = step_cost(split, plan_from_config(split, shape), devices)
         except OutOfMemory as err:

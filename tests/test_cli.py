@@ -346,3 +346,39 @@ def test_ctrl_c_before_training_starts_exits_130(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (proc.returncode, err[-2000:])
     assert "jaxkit: interrupted" in err and "Traceback" not in err
+
+
+def test_max_per_device_batch_announces_each_compile_as_it_starts(capsys):
+    # In-process: the claim is about what is printed, and where, not about a process.
+    import re
+
+    import jax
+
+    from jaxkit import cli, costs
+    from jaxkit.batch_schedule import plan_from_config
+    from jaxkit.config import load_config
+
+    one = costs.split_config(load_config("mlp_digits"), 1, 1)  # what the search compiles first
+    shape = {"data": 8, "fsdp": 1, "tensor": 1}
+    need = costs.step_cost(one, plan_from_config(one, shape), jax.devices()).memory_bytes
+    argv = ["plan", "mlp_digits", "--max-per-device-batch", "--memory-budget", str(need), "--json"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)  # stdout is the JSON document alone
+    # 1 fits, 2 does not: two compiles
+    assert result["max_per_device_batch_size"] == 1 and result["compiles"] == 2
+    lines = err.splitlines()
+    started = [
+        re.fullmatch(r"  per_device_batch_size=(\d+): compiling \((\S+) s into the search\)", x)
+        for x in lines
+    ]
+    assert [int(m[1]) for m in started if m] == [1, 2]
+    elapsed = [float(m[2]) for m in started if m]
+    # The search's own clock starts a moment after the CLI's, and .1f rounds up by 0.05 s.
+    assert elapsed == sorted(elapsed) and elapsed[-1] <= result["seconds"] + 0.1
+    for b, memory in result["tried"].items():  # each start comes before its result
+        begun = lines.index(
+            next(x for x in lines if x.startswith(f"  per_device_batch_size={b}: compiling"))
+        )
+        ended = lines.index(f"  per_device_batch_size={b}: {costs.format_bytes(memory)}")
+        assert begun < ended
