@@ -12,7 +12,7 @@ import optax
 import pytest
 from test_equivalence import LOSS_RTOL, PARAM_ATOL
 
-from jaxkit import costs, report
+from jaxkit import cli, costs, report
 from jaxkit.batch_plan import BatchPlanError
 from jaxkit.batch_schedule import auto_decision, parse_stages, schedule_from_config
 from jaxkit.checkpoint import CheckpointError
@@ -170,6 +170,39 @@ def test_a_ramp_scales_each_stage_peak_and_lays_warmup_and_decay_over_examples()
                 1 + math.cos(math.pi * (e - warmup) / (total - warmup))
             )
         assert schedule.learning_rate(e, plan) == pytest.approx(plan.learning_rate * shape)
+
+
+def test_a_ramp_scales_each_stage_from_the_base_rate_when_the_reference_is_another_batch(
+    capsys,
+):
+    """Reference 256, stages 32, 64, 128: each stage's peak is base × G / 256, in the plan
+    table and in the rate every step of the loop applies (scaling a stage from the first
+    stage's already-scaled rate would give 8× too low rates from stage 1 on)."""
+    scaling = ["optimizer.lr_scaling=linear", "optimizer.reference_batch_size=256"]
+    config = ramped(*scaling)
+    base, end = config.optimizer.learning_rate, config.optimizer.final_lr_fraction
+    peaks = {g: base * g / 256 for g in (32, 64, 128)}  # 3.75e-4, 7.5e-4, 1.5e-3
+    records = train_records(quiet(config))
+    assert [r["global_batch_size"] for r in records] == [32] * 8 + [64] * 6 + [128] * 2
+    warmup, total = 2 * 32, 8 * 32 + 6 * 64 + 2 * 128  # over examples: 2 first-stage steps
+    for r in records:
+        g = r["global_batch_size"]
+        e = r["examples_seen"] - g  # where the step starts reading
+        if e < warmup:
+            shape = 1 / 2 + (1 - 1 / 2) * e / warmup
+        else:
+            progress = (e - warmup) / (total - warmup)
+            shape = end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
+        # Logged as float32: agreement to its round-off.
+        assert r["learning_rate"] == pytest.approx(peaks[g] * shape, rel=1e-6), r["step"]
+
+    args = ["plan", "mlp_digits", "batch.global_batch_size=null", f"batch.schedule={RAMP}"]
+    assert cli.main([*args, "train.steps=16", *scaling]) == 0
+    out = capsys.readouterr().out
+    assert "learning_rate         | 0.000375 | = 0.003 × 32/256 (linear)" in out
+    stage_rows = [line for line in out.splitlines() if line[:2] in ("0 ", "1 ", "2 ")]
+    rates = [float(row.split("|")[4]) for row in stage_rows]
+    assert rates == pytest.approx([peaks[32], peaks[64], peaks[128]], rel=1e-6)
 
 
 def test_a_ramped_run_compiles_its_step_once_and_logs_each_steps_batch(monkeypatch):
