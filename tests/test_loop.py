@@ -1,4 +1,7 @@
-"""The loop's evaluation: every held-out row, once, whatever the split."""
+"""The loop's evaluation: every held-out row, once, whatever the split; and the peak its
+MFU divides by."""
+
+import types
 
 import jax
 import jax.numpy as jnp
@@ -6,11 +9,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from small_configs import SMALL_LM
 
+from jaxkit import peak as peak_lib
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import make_sources
-from jaxkit.loop import evaluate
+from jaxkit.loop import evaluate, train
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.models import build_model
 from jaxkit.train_step import build
@@ -80,3 +85,31 @@ def test_eval_examples_beyond_the_held_out_split_reads_it_all_and_says_so():
     np.testing.assert_allclose(
         result["eval_loss"], evaluate(setup, state.params, eval_source, plan, 0)["eval_loss"]
     )
+
+
+def test_mfu_divides_by_the_peak_of_the_compute_dtype_off_cpu(monkeypatch):
+    """Float32 params with bfloat16 matmuls on an H100: the table's bfloat16 peak (989
+    TFLOP/s dense, NVIDIA's figure), not the float32 (TF32) one of the params' dtype (494)."""
+    real, asked = peak_lib.device_peak, []
+
+    def on_h100(devices, *args, **kwargs):  # the loop's devices, seen as H100s
+        asked.append(len(devices))
+        gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+        return real([gpu] * len(devices), *args, **kwargs)
+
+    monkeypatch.setattr(peak_lib, "device_peak", on_h100)
+    config = load_config("lm_tiny")
+    precision = ["model.param_dtype=float32", "model.compute_dtype=bfloat16"]
+    steps = ["train.steps=3", "train.log_every=1", "train.eval_every=0"]
+    apply_overrides(config, [*SMALL_LM, *precision, *steps, "optimizer.warmup_steps=1"])
+    result = train(config, progress=False, echo=lambda *a: None)
+    assert asked == [8]
+    s = result.summary
+    assert (s["peak_flops_per_s"], s["peak_source"]) == (
+        989e12,
+        "H100 bfloat16 peak from the kit's table",
+    )
+    timed = [r for r in result.records if "mfu" in r]
+    assert timed
+    for r in timed:  # the same division, in float64 both sides
+        assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / r["step_time_s"] / 989e12)
