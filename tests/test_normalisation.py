@@ -13,7 +13,9 @@ import json
 
 import jax
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from test_equivalence import (
     GRAD_NORM_RTOL,
     LOSS_RTOL,
@@ -23,6 +25,7 @@ from test_equivalence import (
     max_param_diff,
     reference_for,
     run_splits,
+    small_config,
 )
 from test_multiprocess import finish, start
 from token_dirs import padded_prompt_completion
@@ -30,7 +33,9 @@ from token_dirs import padded_prompt_completion
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import load_global_batch, load_micro_batch, make_sources
+from jaxkit.loop import train
 from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.models import build_model
 from jaxkit.train_step import build
 
 
@@ -38,6 +43,13 @@ from jaxkit.train_step import build
 def padded(tmp_path_factory):
     """Overrides that train lm_tiny (shrunk) on padded prompt/completion documents."""
     return padded_prompt_completion(tmp_path_factory.mktemp("prompt_completion"))
+
+
+@pytest.fixture(scope="module")
+def reference(padded):
+    """The weighted full-batch reference on those rows (losses, grad norms, params before
+    each step and after the last), computed once for the tests that compare with it."""
+    return reference_for("lm_tiny", padded)
 
 
 def test_rows_weigh_differently(padded):
@@ -95,8 +107,8 @@ def test_loss_weights_of_a_step_sum_to_one(padded, accumulation):
             assert np.ptp(k_share) > 0.02, k_share
 
 
-def test_padded_splits_and_fused_match_a_weighted_full_batch_reference(padded):
-    ref_losses, ref_grad_norms, trajectory = reference_for("lm_tiny", padded)
+def test_padded_splits_and_fused_match_a_weighted_full_batch_reference(padded, reference):
+    ref_losses, ref_grad_norms, trajectory = reference
     assert ref_losses[-1] < ref_losses[0]
     runs = run_splits("lm_tiny", SEED_SPLITS, padded)
     runs |= {
@@ -114,10 +126,49 @@ def test_padded_splits_and_fused_match_a_weighted_full_batch_reference(padded):
         assert worst < PARAM_ATOL, (split, worst)
 
 
-def test_the_naive_mean_of_micro_batch_means_drifts(padded):
+def reference_eval(config, params):
+    """Σ weight × loss / Σ weight over the first train.eval_examples held-out rows, in one
+    call on the host's params with optax's cross-entropy (no jaxkit eval step)."""
+    with nnx.use_eager_sharding(False):
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
+    _, held_out = make_sources(config)
+    rows = held_out[np.arange(config.train.eval_examples)]
+    logits = nnx.merge(graphdef, jax.device_put(params, jax.devices()[0]))(rows["inputs"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, rows["targets"])
+    return float(np.sum(rows["weights"] * losses) / np.sum(rows["weights"]))
+
+
+def test_fused_with_one_micro_step_keeps_the_weights(padded, reference):
+    """Fused with K = 1 takes no scan (fused_step.py): its one micro-batch must keep the
+    loader's weights, as the scanned K ≥ 2 path does. Losses, gradient norms, params and
+    eval against the weighted full-batch reference (MultiSteps on this split is checked
+    against it above)."""
+    ref_losses, ref_grad_norms, trajectory = reference
+    config = small_config("lm_tiny", 4, 8)  # 4 data groups × 8 rows: K = 1
+    apply_overrides(config, [*padded, "train.accumulation=fused", f"train.eval_every={STEPS}"])
+    result = train(config, devices=jax.devices()[:4], progress=False, echo=lambda *a: None)
+    assert result.plan.grad_accum_steps == 1
+    logged = [r for r in result.records if "loss" in r]
+    # Tolerances and reasons as in test_padded_splits_and_fused_match_...; dropping the
+    # weights moves the losses by ~1e-2 relative from the first step.
+    np.testing.assert_allclose([r["loss"] for r in logged], ref_losses, rtol=LOSS_RTOL)
+    np.testing.assert_allclose(
+        [r["grad_norm"] for r in logged], ref_grad_norms, rtol=GRAD_NORM_RTOL
+    )
+    params = jax.device_get(result.state.params)
+    assert max_param_diff(params, trajectory[-1]) < PARAM_ATOL
+    (evaluated,) = [r for r in result.records if "eval_loss" in r]
+    # The same loss of params PARAM_ATOL apart, summed in another order: a few ulps of a
+    # loss of ~5, so LOSS_RTOL bounds it too.
+    assert evaluated["eval_loss"] == pytest.approx(
+        reference_eval(config, trajectory[-1]), rel=LOSS_RTOL
+    )
+
+
+def test_the_naive_mean_of_micro_batch_means_drifts(padded, reference):
     """What other kits compute: K = 4 micro-batch means, averaged. Its loss is a different
     number from the first step on, and the params follow another trajectory."""
-    ref_losses, ref_grad_norms, trajectory = reference_for("lm_tiny", padded)
+    ref_losses, ref_grad_norms, trajectory = reference
     naive = [*padded, "train.loss_normalisation=naive"]
     ((losses, grad_norms, params),) = run_splits("lm_tiny", [(1, 8, 4)], naive).values()
     loss_gap = float(np.max(np.abs(losses / ref_losses - 1)))
@@ -134,10 +185,10 @@ def test_the_naive_mean_of_micro_batch_means_drifts(padded):
     np.testing.assert_allclose(losses1, ref_losses, rtol=LOSS_RTOL)
 
 
-def test_two_processes_match_the_reference(padded, tmp_path):
+def test_two_processes_match_the_reference(padded, reference, tmp_path):
     """Each process knows the whole global batch's weight from per-row sums, not from the
     other process's rows: two processes × 4 devices train as one device does."""
-    ref_losses, ref_grad_norms, _ = reference_for("lm_tiny", padded)
+    ref_losses, ref_grad_norms, _ = reference
     config = load_config("lm_tiny")
     small = [  # test_equivalence.small_config's overrides, on the command line
         "model.d_model=32", "model.num_heads=2", "model.mlp_dim=64", "model.num_layers=1",
