@@ -102,6 +102,30 @@ def config_conflicts(saved: dict, current: dict) -> list[str]:
     return lines
 
 
+# The key of data facts (see data.data_facts) that names the tokens, not only their rows.
+FINGERPRINT = "fingerprint"
+
+
+def data_changes(saved: dict | None, current: dict | None) -> list[str]:
+    """Lines `key saved (saved) -> current` for each way the data a checkpoint recorded
+    differ from this run's: rows per split and, where both have one, each fingerprint
+    entry. A checkpoint saved without a fingerprint is checked on its rows alone."""
+    if saved is None or current is None:
+        return []
+    both = FINGERPRINT in saved and FINGERPRINT in current
+
+    def facts(data: dict) -> dict[str, object]:
+        rows = {key: value for key, value in data.items() if key != FINGERPRINT}
+        return rows | (flatten(data[FINGERPRINT]) if both else {})
+
+    old, new = facts(saved), facts(current)
+    return [
+        f"  {key} {old.get(key, '<absent>')!r} (saved) -> {new.get(key, '<absent>')!r}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    ]
+
+
 def position_of(meta: dict) -> Position:
     loop = meta["loop"]
     return Position(
@@ -409,25 +433,16 @@ def resume(
     change of device count. A changed global batch is refused unless `allow_batch_change`,
     a changed train.steps unless it grows and `allow_longer`. `plan_at(meta)` is this run's
     plan at a checkpoint's position (a batch schedule's stage there). `data` (rows of
-    each split) must match what the checkpoint saw, where it recorded it.
+    each split and, for token files, their fingerprint) must match what the checkpoint
+    saw, where it recorded it; the config is compared first.
     """
     if not checkpointer.steps() and checkpointer.micro_step_numbered() is None:
         return None  # a new workdir
     current = config.to_dict()
 
     def check(meta: dict) -> None:
-        saved_data = meta.get("data")
-        if saved_data is not None and data is not None and saved_data != data:
-            changes = ", ".join(
-                f"{key} {saved_data.get(key)} (saved) -> {data.get(key)}"
-                for key in sorted(data.keys() | saved_data.keys())
-                if saved_data.get(key) != data.get(key)
-            )
-            raise CheckpointError(
-                f"{checkpointer.directory.parent} was trained on other data ({changes}): the "
-                "saved data position would read other rows. Restore the data the run was "
-                "trained on, or use a new --workdir."
-            )
+        # The config first: another model or data source reads other data too, and the
+        # config's differences say why.
         conflicts = config_conflicts(meta["config"], current)
         if conflicts:
             raise CheckpointError(
@@ -441,6 +456,14 @@ def resume(
                     else ""
                 )
                 + "\nUse the saved values, or a new --workdir."
+            )
+        changes = data_changes(meta.get("data"), data)
+        if changes:
+            raise CheckpointError(
+                f"{checkpointer.directory.parent} was trained on other data; its saved data "
+                "position would read other rows:\n"
+                + "\n".join(changes)
+                + "\nRestore the data the run was trained on, or use a new --workdir."
             )
         _check_length(meta["config"], position_of(meta), config, allow_longer)
         old, plan = meta["plan"], plan_at(meta)
@@ -466,6 +489,13 @@ def resume(
         echo("warning: no readable checkpoint left; starting from scratch")
         return None
     state, meta = found
+    if data is not None and FINGERPRINT in data and FINGERPRINT not in (meta.get("data") or {}):
+        echo(
+            f"warning: the checkpoint at optimizer step {position_of(meta).step} in "
+            f"{checkpointer.directory} records no fingerprint of its token data (an earlier "
+            "jaxkit saved it): only the row counts were checked; make sure data.path holds "
+            "the tokens it was trained on"
+        )
     old, position, plan = meta["plan"], position_of(meta), plan_at(meta)
     new_plan = plan.to_json()
     where = f"optimizer step {position.step}"

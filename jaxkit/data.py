@@ -184,13 +184,19 @@ def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
                 )
         else:  # foreign files state no vocabulary: read their largest id once
             ranges = [token_files.token_range(s.tokens) for s in (train, held_out)]
-            low, top = min(r[0] for r in ranges), max(r[1] for r in ranges)
+            low, top = min(r.low for r in ranges), max(r.top for r in ranges)
             dtype = d.get("token_dtype", "uint16")
-            odd_zero = all(r[2] for r in ranges)
-            if dtype == "uint16" and odd_zero and top > 0 and len(train.tokens) >= 16:
+            # uint32 ids read as uint16: each id's high half, at most this, at every odd
+            # position. Only conclusive when an even position holds more than an odd one
+            # could (a low half), over 16 ids at least.
+            high = (vocab - 1) // 2**16
+            odd_top, even_top = max(r.odd_top for r in ranges), max(r.even_top for r in ranges)
+            if dtype == "uint16" and odd_top <= high < even_top and len(train.tokens) >= 16:
+                halves = "0" if high == 0 else f"at most {high}"
                 raise DataError(
-                    f"data.path={d.path!r}: every second uint16 id is 0, as when uint32 "
-                    "ids are read as uint16: set data.token_dtype=uint32"
+                    f"data.path={d.path!r}: every second uint16 id is {halves}, as when uint32 "
+                    f"ids below model.vocab_size={vocab} are read as uint16 (each id's high "
+                    "half): set data.token_dtype=uint32"
                 )
             if low < 0:
                 raise DataError(f"data.path={d.path!r} holds token id {low}: ids are ≥ 0")
@@ -202,9 +208,16 @@ def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
                 )
         rows = d.get("rows", "windows")
         mask = d.get("document_mask", False)
+        fingerprint = token_files.fingerprint(train, held_out, facts)
+        note = None
+        if facts.get("layout") == "nanogpt":
+            note = (
+                f"data: {d.path} is in nanoGPT's layout: training on train.bin, holding out "
+                "val.bin (data.eval_fraction does not apply)"
+            )
         return (
-            token_files.TokenRows(train, d.seq_len, rows, mask),
-            token_files.TokenRows(held_out, d.seq_len, rows, mask),
+            token_files.TokenRows(train, d.seq_len, rows, mask, fingerprint, note),
+            token_files.TokenRows(held_out, d.seq_len, rows, mask, fingerprint),
         )
     except token_files.TokenFileError as e:
         raise DataError(str(e)) from None
@@ -432,6 +445,16 @@ def eval_batches(
         real_BxT = real[local].reshape((-1,) + (1,) * (weights.ndim - 1))
         batch["weights"] = (weights * real_BxT).astype(np.float32)
         yield to_global_array(batch, sharding, m)
+
+
+def data_facts(train_source: Source, eval_source: Source) -> dict:
+    """What a checkpoint must be resumed on: the same rows of each split and, for token
+    files, the same tokens (their fingerprint; see token_files.fingerprint)."""
+    facts: dict = {"train_rows": len(train_source), "eval_rows": len(eval_source)}
+    fingerprint = getattr(train_source, "fingerprint", None)
+    if fingerprint is not None:
+        facts["fingerprint"] = fingerprint
+    return facts
 
 
 def check_sources(train_source: Source, plan: BatchPlan) -> None:

@@ -125,26 +125,18 @@ def train(
     train_source, eval_source = data_lib.make_sources(config)
     data_lib.check_sources(train_source, schedule.largest)
     data_lib.check_eval_weight(eval_source, t.eval_examples)
-    # What a checkpoint must be resumed on: the same rows (re-prepared data is other data).
-    data_facts = {"train_rows": len(train_source), "eval_rows": len(eval_source)}
+    # What a checkpoint must be resumed on: the same rows, and for token files the same
+    # tokens (re-prepared data is other data).
+    data_facts = data_lib.data_facts(train_source, eval_source)
     setup = build(config, plan, mesh, schedule)
     check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
     fused = setup.accumulation == "fused"
 
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())
-
-    # Compiled once, ahead of time (once per K in fused mode): the loop calls these
-    # executables, and their cost analysis gives the FLOPs behind throughput and MFU.
-    programs = StepPrograms(config, setup)
-    cost = programs.get(plan)[1]
-    peak = None
-    if jax.process_index() == 0:  # only process 0 reports
-        # A table peak in the matmuls' dtype (CPUs measure their own, in float32).
-        peak = peak_lib.device_peak(
-            mesh.local_devices, config.model.get("compute_dtype", "float32")
-        )
-    tracker = StepTracker(config, plan, setup, cost, peak)
+    note = getattr(train_source, "note", None)  # how token files were read, where it matters
+    if note:
+        echo(note)
 
     def schedule_of(meta: dict) -> BatchSchedule:
         """This config's schedule from a checkpoint's position on, after the stages the run
@@ -168,6 +160,19 @@ def train(
             echo=echo,
             data=data_facts,
         )
+    # Compiled once, ahead of time (once per K in fused mode), after the resume's checks so
+    # that a refused resume costs no compile: the loop calls these executables, and their
+    # cost analysis gives the FLOPs behind throughput and MFU.
+    programs = StepPrograms(config, setup)
+    cost = programs.get(plan)[1]
+    peak = None
+    if jax.process_index() == 0:  # only process 0 reports
+        # A table peak in the matmuls' dtype (CPUs measure their own, in float32).
+        peak = peak_lib.device_peak(
+            mesh.local_devices, config.model.get("compute_dtype", "float32")
+        )
+    tracker = StepTracker(config, plan, setup, cost, peak)
+
     position = data_lib.Position()
     ramp = AutoRamp()
     if restored is not None:

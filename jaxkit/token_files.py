@@ -2,8 +2,10 @@
 
 `data.path` is a directory `jaxkit data prepare` wrote (its meta.json names the shards of
 each split), or foreign flat token files: a file, a directory of `.bin`/`.npy` files, or a
-glob, local or a URL (`gs://...`, read in ranges through fsspec). The shards of a split
-form one stream of token ids. Rows are either
+glob, local or a URL (`gs://...`, read in ranges through fsspec). A directory in nanoGPT's
+layout (`train.bin` and `val.bin`) trains on `train.bin` and holds out `val.bin`; other
+foreign files hold out their stream's tail. The shards of a split form one stream of token
+ids. Rows are either
 
 - windows (`data.rows=windows`, packed): row r is stream tokens [r·L, r·L + L + 1),
   across document and shard boundaries, as nanoGPT reads `train.bin`; or
@@ -19,15 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxkit import token_format as fmt
 
 ROWS = ("windows", "documents")
+# nanoGPT's prepare.py writes these two into a directory: its train and held-out splits.
+NANOGPT_FILES = ("train.bin", "val.bin")
+# A prepared directory's files that are not token ids, and a stray json beside foreign files.
+SIDE_SUFFIXES = (fmt.MASK_SUFFIX, fmt.DOCS_SUFFIX, ".json")
 
 
 class TokenFileError(ValueError):
@@ -139,35 +146,101 @@ class Split:
     eod_id: int | None
 
 
+def _is_glob(path: str) -> bool:
+    return any(ch in path for ch in "*?[")
+
+
+def _is_token_file(path: str) -> bool:
+    """What a glob or a directory reads as token ids: .bin and .npy files, no side file."""
+    return path.endswith((".bin", ".npy")) and not path.endswith(SIDE_SUFFIXES)
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if is_url(path) else os.path.dirname(path)
+
+
+def _is_prepared(directory: str) -> bool:
+    """Whether `directory` holds a meta.json, as every directory `data prepare` wrote does."""
+    meta_path = directory.rstrip("/") + "/" + fmt.META_NAME
+    if is_url(directory):
+        import fsspec
+
+        fs, inner = fsspec.core.url_to_fs(meta_path)
+        return bool(fs.exists(inner))
+    return os.path.isfile(meta_path)
+
+
 def _expand(path: str) -> list[str]:
+    """The foreign token files `path` names: a file, or a directory's or a glob's .bin and
+    .npy files. Files inside a prepared directory are refused: read one by one, its held-out
+    shards would be trained on and its masks dropped."""
+    named = False  # one file, named as it is
     if is_url(path):
         import fsspec
 
         fs, _ = fsspec.core.url_to_fs(path)
         protocol = path.split("://", 1)[0]
-        if any(ch in path for ch in "*?["):
+        if _is_glob(path):
             found = sorted(fs.glob(path))
         elif fs.isdir(path):
-            found = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".bin", ".npy")))
+            found = sorted(fs.ls(path, detail=False))
         else:
-            found = [path] if fs.exists(path) else []
-        return [p if "://" in p else f"{protocol}://{p.lstrip('/')}" for p in found]
-    path = os.path.expanduser(path)
-    if any(ch in path for ch in "*?["):
-        found = sorted(glob.glob(path))
-    elif os.path.isdir(path):
-        names = os.listdir(path)
-        if any(n.endswith((fmt.DOCS_SUFFIX, fmt.MASK_SUFFIX)) for n in names):
-            raise TokenFileError(
-                f"data.path={path!r} holds a prepared directory's shards but no "
-                f"{fmt.META_NAME}: an unfinished or damaged `jaxkit data prepare`; prepare "
-                "it again"
-            )
-        found = sorted(os.path.join(path, n) for n in names if n.endswith((".bin", ".npy")))
+            found, named = ([path] if fs.exists(path) else []), True
+        found = [p if "://" in p else f"{protocol}://{p.lstrip('/')}" for p in found]
     else:
-        found = [path] if os.path.isfile(path) else []
-    # A document index holds offsets, not token ids: never part of a foreign stream.
-    return [f for f in found if not f.endswith(fmt.DOCS_SUFFIX)]
+        path = os.path.expanduser(path)
+        if _is_glob(path):
+            found = sorted(glob.glob(path))
+        elif os.path.isdir(path):
+            names = os.listdir(path)
+            if any(n.endswith((fmt.DOCS_SUFFIX, fmt.MASK_SUFFIX)) for n in names):
+                raise TokenFileError(
+                    f"data.path={path!r} holds a prepared directory's shards but no "
+                    f"{fmt.META_NAME}: an unfinished or damaged `jaxkit data prepare`; prepare "
+                    "it again"
+                )
+            found = sorted(os.path.join(path, n) for n in names)
+        else:
+            found, named = ([path] if os.path.isfile(path) else []), True
+    if named and found and path.endswith(SIDE_SUFFIXES):
+        raise TokenFileError(
+            f"data.path={path!r} is a side file ({', '.join(SIDE_SUFFIXES)}), not token ids: "
+            "name the .bin or .npy token files, or the directory that holds them"
+        )
+    if not named:  # masks, document indexes and a stray json are never token ids
+        found = [f for f in found if _is_token_file(f)]
+    for parent in sorted({_parent(f) for f in found}):
+        if _is_prepared(parent):
+            raise TokenFileError(
+                f"data.path={path!r} reaches into {parent}, a prepared directory whose "
+                f"{fmt.META_NAME} names each split's shards and masks: pass "
+                f"data.path={parent} instead"
+            )
+    return found
+
+
+def _nanogpt_files(path: str) -> tuple[str, str] | None:
+    """(train.bin, val.bin) of a directory in nanoGPT's layout, else None."""
+    if _is_glob(path):
+        return None
+    if is_url(path):
+        import fsspec
+
+        fs, _ = fsspec.core.url_to_fs(path)
+        if not fs.isdir(path):
+            return None
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+        base = path.rstrip("/") + "/"
+    else:
+        base = os.path.expanduser(path)
+        if not os.path.isdir(base):
+            return None
+        names = set(os.listdir(base))
+        base = os.path.join(base, "")
+    if not set(NANOGPT_FILES) <= names:
+        return None
+    train, val = NANOGPT_FILES
+    return base + train, base + val
 
 
 def read_meta(path: str) -> dict | None:
@@ -269,13 +342,28 @@ def _read_split(
 
 
 def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Split, Split, dict]:
-    """(train, eval, facts): a prepared directory's two splits, or foreign token files
-    whose last `eval_fraction` of tokens is held out. `facts` holds meta.json (or what is
-    known without it: dtype and counts)."""
-    meta = read_meta(path) if not any(ch in path for ch in "*?[") else None
+    """(train, eval, facts): a prepared directory's two splits, nanoGPT's train.bin and
+    val.bin, or other foreign token files whose last `eval_fraction` of tokens is held out.
+    `facts` holds meta.json (or what is known without it: dtype, files and counts, and
+    "layout": "nanogpt" for nanoGPT's)."""
+    meta = read_meta(path) if not _is_glob(path) else None
     if meta is not None:
         train, held = (_prepared_split(path, meta, split) for split in fmt.SPLITS)
         return train, held, meta
+    pair = _nanogpt_files(path)
+    if pair is not None:  # held out as nanoGPT holds it out: data.eval_fraction does not apply
+        train_tokens, val_tokens = (Stream([open_tokens(f, token_dtype)]) for f in pair)
+        facts = {
+            "dtype": token_dtype,
+            "files": list(pair),
+            "num_tokens": len(train_tokens) + len(val_tokens),
+            "layout": "nanogpt",
+        }
+        return (
+            Split(train_tokens, None, None, None),
+            Split(val_tokens, None, None, None),
+            facts,
+        )
     files = _expand(path)
     if not files:
         raise TokenFileError(
@@ -293,17 +381,76 @@ def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Spli
     )
 
 
-def token_range(stream: Stream, chunk: int = 1 << 24) -> tuple[int, int, bool]:
+class IdRange(NamedTuple):
+    """The ids of a stream, read once: their extremes, and the largest at even and at odd
+    positions of the files (-1 where there is none)."""
+
+    low: int
+    top: int
+    even_top: int
+    odd_top: int
+
+
+def token_range(stream: Stream, chunk: int = 1 << 24) -> IdRange:
     """The smallest and largest ids in `stream`, read a chunk at a time (foreign files
-    state no vocabulary, and a signed .npy may hold negative ids), and whether every id at
-    an odd position of the files is 0: what little-endian uint32 ids below 65,536 look like
-    read as uint16."""
-    low, top, odd_zero = 0, -1, True
+    state no vocabulary, and a signed .npy may hold negative ids), and the largest at even
+    and at odd positions of the files: little-endian uint32 ids read as uint16 put each
+    id's low half at an even position and its high half, tiny, at the odd one after it."""
+    low, even_top, odd_top = 0, -1, -1
     for start in range(0, len(stream), chunk):
         part = stream.read(start, min(chunk, len(stream) - start))
-        low, top = min(low, int(part.min())), max(top, int(part.max()))
-        odd_zero = odd_zero and not part[(stream.lo + start + 1) % 2 :: 2].any()
-    return low, top, odd_zero
+        low = min(low, int(part.min()))
+        first_odd = (stream.lo + start + 1) % 2  # where the files' odd positions start
+        odd, even = part[first_odd::2], part[1 - first_odd :: 2]
+        odd_top = max(odd_top, int(odd.max())) if len(odd) else odd_top
+        even_top = max(even_top, int(even.max())) if len(even) else even_top
+    return IdRange(low, max(even_top, odd_top), even_top, odd_top)
+
+
+# Ids read from each end of a shard for the data's fingerprint: a cut or rewritten shard
+# changes its size or its ends, and reading 2 blocks costs the same for any shard size.
+FINGERPRINT_BLOCK = 4096
+# What meta.json records of how the tokens were made, kept in every checkpoint.
+FINGERPRINT_META = (
+    "tokenizer",
+    "seed",
+    "eval_fraction",
+    "dtype",
+    "vocab_size",
+    "eod_id",
+    "masked",
+    "num_tokens",
+    "num_documents",
+)
+
+
+def fingerprint(train: Split, held_out: Split, facts: dict) -> dict:
+    """What a checkpoint records to know token data again: meta.json's record (or, for
+    foreign files, their dtype and each split's token count) and `shard_digest`, a digest
+    of each split's shard sizes, the first and last FINGERPRINT_BLOCK ids (and mask bytes)
+    of each shard and the document index: milliseconds, never a whole shard."""
+    digest = hashlib.sha256()
+    for split in (train, held_out):
+        for stream in (split.tokens, split.masks):
+            if stream is None:
+                continue
+            digest.update(f"{stream.lo}:{stream.hi}:{len(stream.shards)};".encode())
+            for shard in stream.shards:
+                n = len(shard)
+                ends = (shard[: min(n, FINGERPRINT_BLOCK)], shard[max(n - FINGERPRINT_BLOCK, 0) :])
+                digest.update(f"{n};".encode())
+                for block in ends:
+                    digest.update(np.ascontiguousarray(block).astype("<i8").tobytes())
+        if split.doc_starts is not None:
+            digest.update(np.ascontiguousarray(split.doc_starts).astype("<i8").tobytes())
+    if "format" in facts:  # a prepared directory's meta.json
+        record = {key: facts[key] for key in FINGERPRINT_META if key in facts}
+    else:
+        record = {
+            "dtype": facts["dtype"],
+            "num_tokens": {"train": len(train.tokens), "eval": len(held_out.tokens)},
+        }
+    return record | {"shard_digest": digest.hexdigest()[:16]}
 
 
 def segments(inputs_BxL: np.ndarray, eod_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -325,6 +472,8 @@ class TokenRows:
     seq_len: int
     rows: str = "windows"
     document_mask: bool = False
+    fingerprint: dict | None = None  # what a checkpoint records of the data (see fingerprint)
+    note: str | None = None  # a line a run prints about how the data were read
 
     def __post_init__(self) -> None:
         if self.rows == "documents" and self.split.doc_starts is None:

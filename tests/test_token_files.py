@@ -2,6 +2,8 @@
 segments and the errors a user meets before training."""
 
 import json
+import os
+import shutil
 
 import fsspec
 import jax.numpy as jnp
@@ -203,7 +205,7 @@ def test_uint32_ids_read_as_uint16_are_refused(tmp_path):
         token_files.Stream([np.fromfile(tmp_path / "t.bin", "<u2")], lo, hi)
         for lo, hi in ((0, 5401), (5401, 6002))
     ]
-    assert [token_files.token_range(p, chunk=64)[2] for p in parts] == [True, True]
+    assert [token_files.token_range(p, chunk=64).odd_top for p in parts] == [0, 0]
     with pytest.raises(DataError, match=r"every second uint16 id is 0.*data\.token_dtype=uint32"):
         make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
     make_sources(
@@ -212,6 +214,73 @@ def test_uint32_ids_read_as_uint16_are_refused(tmp_path):
     # Real uint16 ids: one nonzero id at an odd position is enough to tell.
     ids.astype("<u2").tofile(tmp_path / "t.bin")
     make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
+
+
+def test_uint32_ids_above_65535_read_as_uint16_are_refused(tmp_path):
+    """uint32 ids of a 100,000-token vocabulary read as uint16 give [low half, high half,
+    ...]: every low half is below 65,536, so in the vocabulary, and every high half is 0 or
+    1 (≤ 99,999 // 65,536). High halves at every odd position, with a low half above what a
+    high half can be at an even one, are refused; real uint16 ids that are all small pass."""
+    ids = np.random.default_rng(0).integers(0, 100_000, size=3001).astype("<u4")
+    assert ids.max() >= 2**16 and (ids >= 2**16).mean() > 0.3  # many ids need their high half
+    ids.tofile(tmp_path / "t.bin")
+    base = ["data.source=tokens", f"data.path={tmp_path}/t.bin", "model.vocab_size=100000"]
+    with pytest.raises(
+        DataError, match=r"every second uint16 id is at most 1.*data\.token_dtype=uint32"
+    ):
+        make_sources(lm_config(*base))
+    train, _ = make_sources(lm_config(*base, "data.token_dtype=uint32"))
+    np.testing.assert_array_equal(train[np.array([1])]["inputs"][0], ids[8:16])
+    # uint16 ids of 0 and 1 only: every odd id is ≤ 1, but so is every even one, which a
+    # low half need not be. Inconclusive, so read as they are.
+    bits = np.random.default_rng(1).integers(0, 2, size=3000).astype("<u2")
+    bits.tofile(tmp_path / "t.bin")
+    train, _ = make_sources(lm_config(*base))
+    np.testing.assert_array_equal(train[np.array([2])]["targets"][0], bits[17:25])
+
+
+def test_nanogpt_layout_trains_on_train_bin_and_holds_out_val_bin(tmp_path):
+    """nanoGPT's prepare.py writes train.bin and val.bin (and a meta.pkl for some corpora):
+    val.bin is the held-out split whatever data.eval_fraction says, never trained on."""
+    rng = np.random.default_rng(0)
+    train_ids = rng.integers(0, 256, size=900).astype("<u2")
+    val_ids = rng.integers(0, 256, size=300).astype("<u2")
+    train_ids.tofile(tmp_path / "train.bin")
+    val_ids.tofile(tmp_path / "val.bin")
+    (tmp_path / "meta.pkl").write_bytes(b"\x80\x04N.")
+    config = lm_config("data.source=tokens", f"data.path={tmp_path}", "data.eval_fraction=0.5")
+    train, held_out = make_sources(config)
+    assert (len(train), len(held_out)) == ((900 - 1) // 8, (300 - 1) // 8)
+    rows = train[np.arange(len(train))]["inputs"]
+    np.testing.assert_array_equal(rows.reshape(-1), train_ids[: len(train) * 8])
+    held = held_out[np.arange(len(held_out))]["targets"]
+    np.testing.assert_array_equal(held.reshape(-1), val_ids[1 : len(held_out) * 8 + 1])
+    assert "holding out val.bin (data.eval_fraction does not apply)" in train.note
+
+
+def test_a_glob_into_a_prepared_directory_is_refused_and_side_files_are_no_tokens(tmp_path):
+    """Read file by file, a prepared directory would train on its eval shards and drop its
+    masks: a glob or a file inside one is refused, naming the directory. Among foreign
+    files a glob reads only .bin and .npy (a stray json is no token ids)."""
+    prepared = tmp_path / "prep"
+    write_prepared(prepared, {"train": [([1], [2, 3])] * 40, "eval": [([1], [2])] * 8})
+    for path in (f"{prepared}/*.bin", f"{prepared}/*", f"{prepared}/train-00000.bin"):
+        with pytest.raises(
+            DataError, match=rf"reaches into {prepared}, a prepared .*data\.path={prepared} inst"
+        ):
+            make_sources(lm_config("data.source=tokens", f"data.path={path}"))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    stream = np.arange(1000, dtype="<u2") % 251
+    stream[:600].tofile(foreign / "a.bin")
+    stream[600:].tofile(foreign / "b.bin")
+    (foreign / "notes.json").write_text('{"vocab_size": 251}')
+    config = lm_config("data.source=tokens", f"data.path={foreign}/*", "data.eval_fraction=0.2")
+    train, held_out = make_sources(config)
+    assert (len(train), len(held_out)) == ((800 - 1) // 8, (200 - 1) // 8)
+    np.testing.assert_array_equal(held_out[np.array([0])]["inputs"][0], stream[800:808])
+    with pytest.raises(DataError, match=r"notes\.json' is a side file"):
+        make_sources(lm_config("data.source=tokens", f"data.path={foreign}/notes.json"))
 
 
 def test_a_prepared_directory_is_checked_against_its_meta(tmp_path):
@@ -271,18 +340,138 @@ def test_held_out_rows_that_score_nothing_are_refused_before_training(tmp_path):
         train(config, progress=False, echo=lambda *a: None)
 
 
-def test_a_resume_on_other_data_is_refused(tmp_path):
-    """The data position counts examples: on re-prepared data it would name other rows."""
-    from jaxkit.checkpoint import CheckpointError
-    from jaxkit.loop import train
+def byte_level_bpe(path):
+    """A tokenizer.json of the 256 byte symbols and <|endoftext|> (id 0), no merges: a byte
+    per token as `--tokenizer bytes` gives, so only the ids differ."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    data = tmp_path / "data"
-    write_prepared(data, {"train": [([1], [2, 3])] * 80, "eval": [([1], [2])] * 8})
-    config = lm_config("data.source=tokens", f"data.path={data}", "model.vocab_size=257",
-                       "data.rows=documents", "train.steps=4", "batch.global_batch_size=16",
-                       "batch.per_device_batch_size=1", "checkpoint.every=2")  # fmt: skip
-    train(config, tmp_path / "run", progress=False, echo=lambda *a: None,
-          stop_after_micro_steps=4)  # fmt: skip
-    write_prepared(data, {"train": [([1], [2, 3])] * 96, "eval": [([1], [2])] * 8})
-    with pytest.raises(CheckpointError, match=r"train_rows 80 \(saved\) -> 96"):
-        train(config, tmp_path / "run", progress=False, echo=lambda *a: None)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=257,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(["abc"], trainer)
+    tokenizer.save(str(path))
+    assert tokenizer.get_vocab_size() == 257
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def token_run(tmp_path_factory):
+    """lm_tiny trained 2 steps through the CLI on 40 prepared byte documents of equal
+    length (so any re-preparation keeps each split's row count): (inputs, DIR, workdir,
+    the train command without its length)."""
+    from jaxkit import cli
+
+    root = tmp_path_factory.mktemp("token_run")
+    rng = np.random.default_rng(0)
+    (root / "in").mkdir()
+    for i in range(40):
+        (root / "in" / f"doc{i:02d}.txt").write_bytes(
+            bytes(rng.integers(97, 123, size=40).tolist())
+        )
+    prepared = root / "tok"
+    assert prepare_cli(root / "in", prepared) == 0
+    overrides = [*SMALL_LM, "data.seq_len=8", "data.source=tokens", f"data.path={prepared}",
+                 "model.vocab_size=257", "batch.global_batch_size=16",
+                 "batch.per_device_batch_size=1"]  # fmt: skip
+    args = ["train", "lm_tiny", *overrides, "--workdir", str(root / "w"), "--no-progress"]
+    assert cli.main([*args, "train.steps=2"]) == 0
+    return root / "in", prepared, root / "w", args
+
+
+def prepare_cli(inputs, out, *options):
+    from jaxkit import cli
+
+    fixed = ["--eval-fraction", "0.2", "--workers", "1", "--no-progress"]
+    return cli.main(["data", "prepare", str(inputs), "--tokenizer", "bytes", "--out", str(out),
+                     *fixed, *options])  # fmt: skip
+
+
+def test_a_resume_on_re_prepared_tokens_is_refused_naming_what_changed(token_run, capsys):
+    """The same inputs prepared again with another seed (other documents held out) or
+    another tokenizer (other ids) keep every row count: only the checkpoint's fingerprint
+    of the tokens tells. Another eval fraction changes the counts too. Each resume is
+    refused before anything compiles, one line per change."""
+    from jaxkit import cli
+
+    inputs, prepared, workdir, args = token_run
+    tokenizer = byte_level_bpe(workdir.parent / "tokenizer.json")
+    try:
+        for options, changes in (
+            (["--seed", "1"], ["  seed 0 (saved) -> 1"]),
+            (["--tokenizer", tokenizer], [f"  tokenizer 'bytes' (saved) -> {tokenizer!r}",
+                                          "  eod_id 256 (saved) -> 0"]),
+            # 4 of the 40 documents of 41 tokens held out: (36·41 − 1) // 8 and (4·41 − 1) // 8
+            (["--eval-fraction", "0.1"], ["  eval_fraction 0.2 (saved) -> 0.1",
+                                          "  train_rows 163 (saved) -> 184",
+                                          "  eval_rows 40 (saved) -> 20"]),
+        ):  # fmt: skip
+            assert prepare_cli(inputs, prepared, "--overwrite", *options) == 0
+            capsys.readouterr()
+            assert cli.main([*args, "train.steps=3", "--allow-longer"]) == 2
+            out, err = capsys.readouterr()
+            lines = err.splitlines()
+            assert lines[0] == (
+                f"jaxkit: error: {workdir} was trained on other data; its saved data "
+                "position would read other rows:"
+            ), err
+            assert all(line in lines for line in changes), err
+            assert any(line.startswith("  shard_digest '") for line in lines), err
+            counted = any("rows" in line for line in lines[1:-1])
+            assert counted == ("--eval-fraction" in options), err  # else the counts agree
+            assert lines[-1].startswith("Restore the data the run was trained on"), err
+            assert "resuming" not in out and "done:" not in out  # nothing restored or run
+            assert sorted(os.listdir(workdir / "checkpoints")) == ["step_2"]
+    finally:  # the fixture's data, as the run was trained on it
+        assert prepare_cli(inputs, prepared, "--overwrite") == 0
+    # The same inputs and options make the same fingerprint: this data resumes.
+    from jaxkit.checkpoint import data_changes
+    from jaxkit.config import apply_overrides, load_config
+    from jaxkit.data import data_facts
+
+    saved = json.loads((workdir / "checkpoints" / "step_2" / "meta" / "metadata").read_text())
+    config = load_config("lm_tiny")
+    apply_overrides(config, [a for a in args[2:] if "=" in a])
+    assert "fingerprint" in saved["data"]
+    assert data_changes(saved["data"], data_facts(*make_sources(config))) == []
+
+
+def test_another_config_on_a_workdir_lists_the_config_differences(token_run, capsys):
+    """`jaxkit train mlp_digits --workdir W` on lm_tiny's W: the configs are compared
+    first, so the message lists their differences (as README promises), not the data's."""
+    from jaxkit import cli
+
+    *_, workdir, _ = token_run
+    capsys.readouterr()
+    assert cli.main(["train", "mlp_digits", "--workdir", str(workdir), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{workdir} holds a run with a different config" in err, err
+    assert "  model.kind: 'transformer' (saved) -> 'mlp'" in err.splitlines(), err
+    assert "other data" not in err
+
+
+def test_a_checkpoint_without_a_fingerprint_resumes_with_one_warning(token_run, tmp_path, capsys):
+    """Checkpoints saved before fingerprints resume on their row counts, with one warning
+    line; the checkpoints the resumed run saves carry the fingerprint again."""
+    from jaxkit import cli
+
+    *_, workdir, args = token_run
+    old = tmp_path / "old"
+    shutil.copytree(workdir, old)
+    meta_file = old / "checkpoints" / "step_2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    fingerprint = meta["data"].pop("fingerprint")
+    meta_file.write_text(json.dumps(meta))
+    capsys.readouterr()
+    args = [a if a != str(workdir) else str(old) for a in args]
+    assert cli.main([*args, "train.steps=3", "--allow-longer"]) == 0
+    out, err = capsys.readouterr()
+    warnings = [line for line in (out + err).splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "records no fingerprint of its token data" in warnings[0], out
+    assert "resuming from" in out and "step      3" in out
+    resumed = json.loads((old / "checkpoints" / "step_3" / "meta" / "metadata").read_text())
+    assert resumed["data"]["fingerprint"] == fingerprint
