@@ -460,6 +460,21 @@ def data_facts(train_source: Source, eval_source: Source) -> dict:
 def check_sources(train_source: Source, plan: BatchPlan) -> None:
     """Fails before training, not at the first step, when the data cannot serve the plan."""
     check_batch_fits(plan.global_batch_size, len(train_source))
+    check_train_weight(train_source)
+
+
+def check_train_weight(source: Source, chunk_rows: int = 4096) -> None:
+    """Fails before training when no training row scores a target (every prompt longer than
+    data.seq_len, say): every step's loss would be 0 / 0. Reads rows a chunk at a time and
+    stops at the first scored one, so data that scores anything costs one chunk."""
+    n = len(source)
+    for start in range(0, n, chunk_rows):
+        if row_weight_sums(source, np.arange(start, min(start + chunk_rows, n))).sum() > 0:
+            return
+    raise DataError(
+        f"the {n} training rows score no target (every weight is 0: prompts or padding "
+        "only); raise data.seq_len, or give data whose rows score targets"
+    )
 
 
 def check_eval_weight(source: Source, eval_examples: int) -> None:

@@ -287,7 +287,8 @@ def train(
         if record is None:
             return
         bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if record["loss"] is not None:  # None: the step scored no target
+            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if record["step"] % t.log_every == 0 or record["step"] == total:
             emit(record)
             tracker.close_window()
@@ -319,7 +320,11 @@ def train(
                     tracker.restart_clock()  # the compile is no step's time
                 step_fn, cost = programs.get(step_plan)
                 hyper = setup.hyper(step_plan, examples)
-                info = StepInfo(step_plan, float(hyper.learning_rate), cost)
+                # What the step scores: a global batch of prompts only has no loss.
+                scored = data_lib.step_weight(
+                    train_source, examples, step_plan.global_batch_size, seed
+                )
+                info = StepInfo(step_plan, float(hyper.learning_rate), cost, scored)
                 if profile and step == profile[0] and profile_dir is not None:
                     drain()  # the trace starts with the devices idle, at a step boundary
                     # JAX converts to Perfetto with pathlib, local paths only (jax#19263).

@@ -36,6 +36,9 @@ class StepInfo:
     plan: BatchPlan  # its stage of the batch schedule
     learning_rate: float  # the rate it applies
     cost: StepCost | None = None  # compiled FLOPs and memory of its program
+    # Σ weight of its global batch's targets (weights are 0 or 1: the targets it scores);
+    # 0 makes its loss 0 / 0, logged as null. None where the caller does not say.
+    scored_targets: float | None = None
 
 
 class StepTracker:
@@ -78,6 +81,7 @@ class StepTracker:
         self.first_step_done = False
         self.last_mark = time.perf_counter()
         self.examples_seen = 0  # examples consumed by the optimizer steps fetched so far
+        self.scored_targets: float | None = None  # of the optimizer step being fetched
 
     def loop_state(self, position: Position) -> dict:
         """What a checkpoint at `position` needs to continue these metrics exactly."""
@@ -132,6 +136,7 @@ class StepTracker:
             self.window_times, self.all_times = [], []
         self.plan, self.learning_rate = info.plan, info.learning_rate
         self.cost = info.cost or self.cost
+        self.scored_targets = info.scored_targets
         self.micro_steps += self.plan.grad_accum_steps if self.fused else 1
         self.losses.append(float(m["loss"]))
         self.small_grad_sq.append(float(m["small_grad_sq"]))
@@ -166,7 +171,13 @@ class StepTracker:
         skipped_whole = self.fused and self.step_nonfinite > 0
         grad_norm = None if skipped_whole else float(m["grad_norm"])
         self.noise_scale.b_big = self.plan.global_batch_size
-        if self.step_nonfinite == 0 and grad_norm is not None and self.has_two_batch_sizes:
+        # A step that scores nothing has a zero gradient: no sample of the noise.
+        if (
+            self.step_nonfinite == 0
+            and grad_norm is not None
+            and self.has_two_batch_sizes
+            and self.scored_targets != 0
+        ):
             self.noise_scale.update(float(np.mean(self.small_grad_sq)), grad_norm**2)
         self.small_grad_sq, self.step_nonfinite = [], 0
         self.in_row_at_step_start = self.nonfinite_in_row
@@ -182,10 +193,12 @@ class StepTracker:
     def _record(self, done: int, grad_norm: float | None) -> dict:
         plan = self.plan
         step_time = statistics.mean(self.window_times) if self.window_times else self.first_step_s
+        # A global batch with no scored target has no loss (0 / 0), not loss 0.
+        unscored = self.scored_targets == 0
         record = {
             "step": done,
             "micro_step": self.micro_steps,
-            "loss": float(np.mean(self.losses)),  # mean over the global batch
+            "loss": None if unscored else float(np.mean(self.losses)),  # over the global batch
             "learning_rate": self.learning_rate,
             "grad_norm": grad_norm,
             "examples_seen": self.examples_seen,
@@ -195,6 +208,9 @@ class StepTracker:
             "global_batch_size": plan.global_batch_size,
             "grad_accum_steps": plan.grad_accum_steps,
         }
+        if self.scored_targets is not None:
+            weight = self.scored_targets
+            record["scored_targets"] = int(weight) if float(weight).is_integer() else weight
         if plan.seq_len is not None and plan.tokens_per_step is not None:
             record["tokens_seen"] = self.examples_seen * plan.seq_len
             record["tokens_per_s"] = plan.tokens_per_step / step_time
@@ -243,8 +259,10 @@ def format_record(record: dict) -> str:
     )
     norm = record["grad_norm"]
     norm_text = "skipped (non-finite)" if norm is None else f"{norm:.3f}"
+    loss = record["loss"]
+    loss_text = "none (no scored target)" if loss is None else f"{loss:.4f}"
     return (
-        f"step {record['step']:>6}  loss {record['loss']:.4f}  lr {record['learning_rate']:.3g}  "
+        f"step {record['step']:>6}  loss {loss_text}  lr {record['learning_rate']:.3g}  "
         f"grad_norm {norm_text}  {record['step_time_s'] * 1e3:.1f} ms/step  {rate}"
     )
 

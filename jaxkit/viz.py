@@ -88,9 +88,10 @@ def plot_batch_layouts(ax: Axes, layouts: Mapping[str, BatchLayout]) -> None:
 
 
 def loss_curve(records: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """(optimizer steps, losses) of a run's train records (eval records left out)."""
+    """(optimizer steps, losses) of a run's train records (eval records left out); NaN,
+    drawn as a gap, for a step that scored no target (its loss is logged as null)."""
     train = [r for r in records if "loss" in r]
-    return np.array([r["step"] for r in train]), np.array([r["loss"] for r in train])
+    return np.array([r["step"] for r in train]), np.array([r["loss"] for r in train], dtype=float)
 
 
 def _style(i: int, label: str, styles: Mapping[str, dict] | None) -> dict:

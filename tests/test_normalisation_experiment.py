@@ -233,22 +233,28 @@ def test_with_k_1_everywhere_the_verdict_says_naive_is_exact_by_construction():
 
 
 def test_a_step_that_scores_nothing_gives_no_relative_number_not_nan():
-    """A global batch of prompts only has loss 0: relative differences skip that step, and
-    the JSON stays valid (no NaN)."""
+    """A global batch of prompts only is logged with loss null: read as NaN, every
+    comparison skips that step, and the JSON stays valid (null where the log has null)."""
     a, b = Split(8, 4, 1), Split(8, 1, 4)
-    ref = np.array([0.0, 2.0, 1.0])
+
+    def logged(*losses):
+        return normalisation.step_losses([{"loss": x, "step": i} for i, x in enumerate(losses)])
+
+    ref = logged(None, 2.0, 1.0)
     losses = {
         normalisation.Unit(a, "exact"): ref,
         normalisation.Unit(a, "naive"): ref,
         normalisation.Unit(b, "exact"): ref + 1e-7,
-        normalisation.Unit(b, "naive"): np.array([0.0, 2.2, 1.05]),
+        normalisation.Unit(b, "naive"): logged(None, 2.2, 1.05),
     }
     numbers = normalisation.summarise(losses, dict.fromkeys(losses, 1.0), a)
     text = json.dumps(numbers, allow_nan=False)  # raises on NaN or inf
     assert numbers["naive_spread"]["rel"] == pytest.approx(0.1)  # 0.2 / 2.0, step 0 skipped
+    assert numbers["naive_spread"]["abs"] == pytest.approx(0.2)
     worst = max(r["max_rel_diff_vs_reference"] for r in numbers["runs"])
     assert worst == pytest.approx(0.1) and "NaN" not in text
-    all_zero = {u: np.zeros(3) for u in losses}
-    numbers = normalisation.summarise(all_zero, dict.fromkeys(losses, 0.0), a)
+    assert all(r["losses"][0] is None for r in numbers["runs"])
+    zero = {u: np.zeros(3) for u in losses}  # scored steps with loss 0: nothing relative
+    numbers = normalisation.summarise(zero, dict.fromkeys(losses, 0.0), a)
     assert numbers["naive_spread"]["rel"] is None
     json.dumps(numbers, allow_nan=False)

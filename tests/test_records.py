@@ -15,3 +15,60 @@ def test_a_held_out_split_of_one_repeated_byte_is_summarised():
     }
     text = format_summary(summary)  # no division by the zero entropy
     assert "eval loss 0.2500" in text
+
+
+def _train_cli(tmp_path, docs, *overrides):
+    """`jaxkit train` in-process on prepared prompt/completion documents, one per row."""
+    from jaxkit import cli
+    from tests.small_configs import SMALL_LM
+    from tests.token_dirs import write_prepared
+
+    scored_eval = [([1], [2, 3])] * 8
+    write_prepared(tmp_path / "data", {"train": docs, "eval": scored_eval})
+    argv = ["train", "lm_tiny", *SMALL_LM, "data.seq_len=8", "data.source=tokens",
+            f"data.path={tmp_path / 'data'}", "data.rows=documents", "model.vocab_size=257",
+            "batch.global_batch_size=8", "batch.per_device_batch_size=1",
+            "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
+            *overrides, "--no-progress", "--workdir", str(tmp_path / "run")]  # fmt: skip
+    return cli.main(argv)
+
+
+# At data.seq_len=8 a row's targets are its document's tokens 1..8: a 12-byte prompt fills
+# them all (weight 0); a 1-byte prompt leaves 2 completion bytes and the end (weight 3).
+UNSCORED, SCORED = ([5] * 12, [6, 7]), ([1], [2, 3])
+
+
+def test_a_train_split_that_scores_nothing_is_refused_before_training(tmp_path, capsys):
+    code = _train_cli(tmp_path, [UNSCORED] * 40, "train.steps=3")
+    err = capsys.readouterr().err
+    assert code == 2 and "the 40 training rows score no target" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_step_that_scores_nothing_is_logged_with_no_loss(tmp_path, capsys):
+    """A global batch of prompts only has loss 0 / 0: null, never 0, and scored_targets
+    says why; the steps that score something keep their loss."""
+    import json
+
+    import numpy as np
+
+    from jaxkit.data import global_batch_rows
+
+    docs = [UNSCORED] * 72 + [SCORED] * 8
+    steps = 6
+    assert _train_cli(tmp_path, docs, f"train.steps={steps}") == 0
+    out = capsys.readouterr().out
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    # Each step's rows, in the kit's data order; their weight from the documents themselves.
+    weights = np.array([0 if d is UNSCORED else 3 for d in docs])
+    expected = [int(weights[global_batch_rows(s, 8, 80, seed=0)].sum()) for s in range(steps)]
+    assert 0 in expected and any(expected), expected  # the order gives both kinds of step
+    assert [r["scored_targets"] for r in records] == expected
+    for r, scored in zip(records, expected, strict=True):
+        if scored:
+            assert r["loss"] > 0, r
+        else:
+            assert r["loss"] is None, r
+    assert out.count("loss none (no scored target)") == expected.count(0)

@@ -330,8 +330,8 @@ def test_negative_ids_in_a_signed_npy_are_refused(tmp_path):
 
 
 def test_held_out_rows_that_score_nothing_are_refused_before_training(tmp_path):
-    docs = [([1, 2, 3, 4, 5, 6], [7])] * 80  # seq_len 2: every row is prompt only
-    write_prepared(tmp_path, {"train": docs, "eval": docs[:4]})
+    docs = [([1, 2, 3, 4, 5, 6], [7])] * 4  # seq_len 2: every row is prompt only
+    write_prepared(tmp_path, {"train": [([1], [2, 3])] * 80, "eval": docs})
     from jaxkit.loop import train
 
     config = lm_config("data.source=tokens", f"data.path={tmp_path}", "model.vocab_size=257",

@@ -107,7 +107,7 @@ def _arms(
 def _reached(steps: np.ndarray, loss: np.ndarray, target: float, window: int) -> int | None:
     """The first optimizer step at which the mean of the last `window` losses is ≤ target."""
     for i in range(len(loss)):
-        if np.mean(loss[max(0, i - window + 1) : i + 1]) <= target:
+        if np.nanmean(loss[max(0, i - window + 1) : i + 1]) <= target:
             return int(steps[i])
     return None
 
@@ -141,7 +141,7 @@ def run(
         runs[arm.name] = {
             "steps": np.array([r["step"] for r in records]),
             "examples": np.array([r["examples_seen"] for r in records]),
-            "loss": np.array([r["loss"] for r in records]),
+            "loss": np.array([r["loss"] for r in records], dtype=float),  # null: NaN
             "batch": np.array([r["global_batch_size"] for r in records]),
             "noise_scale": records[-1].get("noise_scale"),
             "wall_s": result.summary["wall_time_s"],
@@ -165,7 +165,7 @@ def run(
         # it when the mean of its last as many steps does (the small run at the latest at
         # its end).
         window = max(1, len(first["loss"]) // 10)
-        target = float(np.mean(first["loss"][-window:]))
+        target = float(np.nanmean(first["loss"][-window:]))
         rows = []
         for name, r in runs.items():
             reached = _reached(r["steps"], r["loss"], target, window)
@@ -177,7 +177,7 @@ def run(
                     batches,
                     int(r["steps"][-1]),
                     f"{int(r['examples'][-1]):,}",
-                    f"{float(np.mean(r_tail)):.4f}",
+                    f"{float(np.nanmean(r_tail)):.4f}",
                     "not reached" if reached is None else reached,
                     "—" if r["noise_scale"] is None else f"{r['noise_scale']:,.0f}",
                     f"{r['wall_s']:.1f}",

@@ -89,7 +89,7 @@ def run(
             "plan": result.plan,
             "steps": np.array([r["step"] for r in records]),
             "examples": np.array([r["examples_seen"] for r in records]),
-            "loss": np.array([r["loss"] for r in records]),
+            "loss": np.array([r["loss"] for r in records], dtype=float),  # null: NaN
         }
 
     def render(report: Report) -> None:
@@ -113,7 +113,7 @@ def run(
                     f"{p.data_parallel_size}×{p.per_device_batch_size}×{p.grad_accum_steps}",
                     len(r["loss"]),
                     f"{p.learning_rate:.4g}",
-                    f"{float(np.mean(tail)):.4f}",
+                    f"{float(np.nanmean(tail)):.4f}",  # steps that scored something
                 )
             )
         report.table(

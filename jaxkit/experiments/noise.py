@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import ml_collections
-import numpy as np
 
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.experiments import (
@@ -111,8 +110,10 @@ def run(
             ax.grid(alpha=0.3)
             ax.legend()
             report.figure(fig, "noise_scale.png", "Gradient noise scale during training")
-            losses = np.array([r["loss"] for r in records])
-            report.text(f"Training loss went from {losses[0]:.4f} to {losses[-1]:.4f}.")
+            # Steps that scored no target have no loss (null): left out.
+            losses = [r["loss"] for r in records if r["loss"] is not None]
+            if losses:
+                report.text(f"Training loss went from {losses[0]:.4f} to {losses[-1]:.4f}.")
 
     report = Report(out, "Noise scale: the critical batch size")
     return drive(report, ["training"], do_unit, render, "run")

@@ -83,19 +83,42 @@ def trained_row_weights(config: ml_collections.ConfigDict, steps: int, g: int) -
     return row_weight_sums(train_source, rows)
 
 
+def step_losses(records: Sequence[dict]) -> np.ndarray:
+    """A run's per-step training losses; NaN for a step whose global batch scored no
+    target (logged as null: it has no loss), which every comparison below skips."""
+    return np.array(
+        [np.nan if r["loss"] is None else r["loss"] for r in records if "loss" in r], dtype=float
+    )
+
+
+def _max(values: np.ndarray) -> float:
+    """Max over the scored steps (all runs read the same rows: unscored in all alike)."""
+    scored = values[np.isfinite(values)]
+    return float(scored.max()) if scored.size else 0.0
+
+
 def _spread(curves: Sequence[np.ndarray], ref: np.ndarray) -> dict[str, Any] | None:
     """Max over steps of max − min across `curves`, absolute and relative to `ref`."""
     if len(curves) < 2:
         return None
-    spread = np.ptp(np.stack(curves), axis=0)
-    return {"abs": float(spread.max()), "rel": _relative(spread, ref)}
+    stacked = np.stack(curves)
+    spread = stacked.max(axis=0) - stacked.min(axis=0)  # NaN on unscored steps
+    return {"abs": _max(spread), "rel": _relative(spread, ref)}
 
 
 def _relative(diff: np.ndarray, ref: np.ndarray) -> float | None:
-    """Max of diff / |ref| over the steps whose reference loss is not 0 (a step whose
-    whole global batch weighs 0 has loss 0: nothing to be relative to); None if none."""
-    scored = np.abs(ref) > 0
+    """Max of diff / |ref| over the scored steps whose reference loss is not 0 (nothing
+    to be relative to); None if none."""
+    scored = np.isfinite(ref) & np.isfinite(diff) & (np.abs(ref) > 0)
     return float((diff[scored] / np.abs(ref[scored])).max()) if scored.any() else None
+
+
+def _loss_or_none(value: float) -> float | None:
+    return float(value) if np.isfinite(value) else None  # JSON has no NaN: null, as logged
+
+
+def _final_text(loss: float | None) -> str:
+    return "none (no scored target)" if loss is None else f"{loss:.6f}"
 
 
 def _number(value: float | None) -> str:
@@ -127,22 +150,22 @@ def summarise(
                 "per_device_batch_size": unit.split.per_device,
                 "grad_accum_steps": unit.split.accum,
                 "normalisation": unit.normalisation,
-                "final_loss": float(curve[-1]),
+                "final_loss": _loss_or_none(curve[-1]),
                 "eval_loss": eval_losses[unit],
-                "max_abs_diff_vs_reference": float(diff.max()),
+                "max_abs_diff_vs_reference": _max(diff),
                 "max_rel_diff_vs_reference": _relative(diff, ref),
-                "losses": [float(x) for x in curve],
+                "losses": [_loss_or_none(x) for x in curve],
             }
         )
     # Naive against the exact run of its own split: the same rows, the same programs, so
     # any difference is the normalisation's (zero, bit for bit, where micro-batches weigh
     # the same). Judged against the exact runs' own spread, or a float32 ulp of the loss.
     gaps = [
-        float(np.max(np.abs(c - losses[Unit(u.split, "exact")])))
+        _max(np.abs(c - losses[Unit(u.split, "exact")]))
         for u, c in losses.items()
         if u.normalisation == "naive" and Unit(u.split, "exact") in losses
     ]
-    round_off = max(exact_spread["abs"] if exact_spread else 0.0, F32_EPS * float(ref.max()))
+    round_off = max(exact_spread["abs"] if exact_spread else 0.0, F32_EPS * _max(ref))
     naive_gap = max(gaps) if gaps else None
     ratio = None
     if naive_spread and exact_spread and exact_spread["abs"] > 0:
@@ -277,11 +300,11 @@ def run(
         c = ml_collections.ConfigDict(config.to_dict())
         c.train.loss_normalisation = unit.normalisation
         result = train_split(c, unit.split, devices, steps)
-        losses[unit] = np.array([r["loss"] for r in result.records if "loss" in r])
+        losses[unit] = step_losses(result.records)
         eval_losses[unit] = float(
             next(r["eval_loss"] for r in reversed(result.records) if "eval_loss" in r)
         )
-        echo(f"  {unit}: final loss {losses[unit][-1]:.6f}")
+        echo(f"  {unit}: final loss {_final_text(_loss_or_none(losses[unit][-1]))}")
 
     def render(report: Report) -> None:
         report.text(
@@ -326,7 +349,7 @@ def run(
                     r["split"],
                     r["grad_accum_steps"],
                     r["normalisation"],
-                    f"{r['final_loss']:.6f}",
+                    _final_text(r["final_loss"]),
                     f"{r['eval_loss']:.6f}",
                     f"{r['max_abs_diff_vs_reference']:.2e}",
                     _number(r["max_rel_diff_vs_reference"]),
