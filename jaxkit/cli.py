@@ -561,6 +561,12 @@ def _plan(
     policies = _remat_policies(opts.remat, config)
     schedule = schedule_from_config(config, shape)  # every stage must hold on this mesh
     plan = schedule.first
+    if config.data.source == "tokens":
+        # Token files are the one source the config does not describe: train's checks of
+        # them (ids against model.vocab_size, rows, scored targets) apply to the plan too.
+        from jaxkit.data import checked_sources
+
+        checked_sources(config, schedule.largest)
     ramp = {"batch_schedule": schedule.to_json()} if schedule.kind != "fixed" else {}
     budget = _memory_budget(opts.memory_budget, devices[0], target)
     slice_info: dict[str, object] = {}

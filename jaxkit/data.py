@@ -447,6 +447,15 @@ def eval_batches(
         yield to_global_array(batch, sharding, m)
 
 
+def checked_sources(config: ml_collections.ConfigDict, largest: BatchPlan) -> tuple[Source, Source]:
+    """make_sources, then every check of the data that `train` makes before it compiles
+    (and `plan` with token files): `largest` is the batch schedule's largest stage."""
+    train, held_out = make_sources(config)
+    check_sources(train, largest)
+    check_eval_weight(held_out, config.train.eval_examples)
+    return train, held_out
+
+
 def data_facts(train_source: Source, eval_source: Source) -> dict:
     """What a checkpoint must be resumed on: the same rows of each split and, for token
     files, the same tokens (their fingerprint; see token_files.fingerprint)."""

@@ -122,9 +122,7 @@ def train(
     check_on_mesh(config, shape)
     schedule = schedule_from_config(config, shape)
     plan = schedule.first
-    train_source, eval_source = data_lib.make_sources(config)
-    data_lib.check_sources(train_source, schedule.largest)
-    data_lib.check_eval_weight(eval_source, t.eval_examples)
+    train_source, eval_source = data_lib.checked_sources(config, schedule.largest)
     # What a checkpoint must be resumed on: the same rows, and for token files the same
     # tokens (re-prepared data is other data).
     data_facts = data_lib.data_facts(train_source, eval_source)

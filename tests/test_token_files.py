@@ -340,6 +340,27 @@ def test_held_out_rows_that_score_nothing_are_refused_before_training(tmp_path):
         train(config, progress=False, echo=lambda *a: None)
 
 
+def test_plan_refuses_token_data_above_the_vocabulary_as_train_does(tmp_path, capsys):
+    """README: the checks apply to `plan` too; the prepared vocabulary, and a foreign file's
+    largest id, against model.vocab_size."""
+    from jaxkit import cli
+
+    write_prepared(tmp_path / "big", {"train": [([1], [2, 3])] * 80, "eval": [([1], [2])] * 8},
+                   vocab_size=1000)  # fmt: skip
+    np.array([1, 2, 700, 3] * 100, dtype="<u2").tofile(tmp_path / "foreign.bin")
+    for path, said in (
+        (tmp_path / "big", "holds ids of a 1000-token vocabulary, above model.vocab_size=257"),
+        (tmp_path / "foreign.bin", "holds token id 700, not below model.vocab_size=257"),
+    ):
+        argv = ["plan", "lm_tiny", "data.source=tokens", f"data.path={path}", "data.seq_len=8",
+                "batch.global_batch_size=8", "batch.per_device_batch_size=1",
+                "model.vocab_size=257"]  # fmt: skip
+        assert cli.main(argv) == 2, path
+        assert said in capsys.readouterr().err
+        assert cli.main([*argv[:-1], "model.vocab_size=1000"]) == 0  # fits: the plan is shown
+        assert "global_batch_size" in capsys.readouterr().out
+
+
 def byte_level_bpe(path):
     """A tokenizer.json of the 256 byte symbols and <|endoftext|> (id 0), no merges: a byte
     per token as `--tokenizer bytes` gives, so only the ids differ."""
