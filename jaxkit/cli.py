@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -722,12 +723,15 @@ def _check_can_write(path: str, flag: str) -> None:
 
 
 def _model_json(config: ml_collections.ConfigDict, plan: BatchPlan) -> dict[str, object]:
-    """The model's size, precision and layout, and its FLOPs per optimizer step (all devices)."""
+    """The model's size, precision and layout, and its model FLOPs per optimizer step: per
+    device, as records and summaries give them, and on all devices together."""
     from jaxkit.flops import model_flops_per_example
     from jaxkit.records import model_facts
 
     facts = {"kind": config.model.kind, **model_facts(config)}
-    facts["model_flops_per_step"] = model_flops_per_example(config) * plan.global_batch_size
+    every = model_flops_per_example(config) * plan.global_batch_size
+    facts["model_flops_per_step"] = every / math.prod(plan.mesh_shape.values())
+    facts["model_flops_per_step_all_devices"] = every
     return facts
 
 
@@ -740,8 +744,11 @@ def _model_line(m: dict[str, object]) -> str:
         line += (
             f" in {m['param_dtype']}, matmuls in {m['compute_dtype']}, remat {m['remat']}, {layout}"
         )
-    flops = costs.format_flops(float(m["model_flops_per_step"]))  # type: ignore[arg-type]
-    return line + f"; {flops}FLOPs per optimizer step (model, all devices)"
+    per_device, every = (
+        costs.format_flops(float(m[key]))  # type: ignore[arg-type]
+        for key in ("model_flops_per_step", "model_flops_per_step_all_devices")
+    )
+    return line + f"; {per_device}FLOPs per optimizer step per device (model; {every}FLOPs on all)"
 
 
 def _remat_policies(text: str | None, config: ml_collections.ConfigDict) -> list[str | None]:

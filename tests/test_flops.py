@@ -301,3 +301,20 @@ def test_tpu_fused_full_remat_step_counts_its_temporaries():
 
 def plan_shape(plan):
     return {"data": plan.data_parallel_size, "fsdp": 1, "tensor": 1}
+
+
+def test_plan_gives_model_flops_per_device_as_records_do_and_all_devices_by_name(capsys):
+    """Every model_flops_per_step is per device; the whole mesh's is named so."""
+    from jaxkit import cli
+
+    # mlp_digits: 64 → 128 → 128 → 10, weights and biases; 6 × params per example (README).
+    params = (64 * 128 + 128) + (128 * 128 + 128) + (128 * 10 + 10)
+    every = 6 * params * 32  # a global batch of 32 rows
+    assert cli.main(["plan", "mlp_digits", "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["model_flops_per_step_all_devices"] == every
+    assert model["model_flops_per_step"] == every / 8  # 8 devices
+    assert cli.main(["plan", "mlp_digits"]) == 0
+    assert "627 kFLOPs per optimizer step per device (model; 5.02 MFLOPs on all)" in (
+        capsys.readouterr().out
+    )
