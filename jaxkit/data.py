@@ -94,9 +94,13 @@ class TokenWindows:
     def row_weight_sums(self, rows: np.ndarray) -> np.ndarray:
         return np.full(len(rows), self.seq_len, dtype=np.float64)
 
-    def unigram_entropy(self) -> float:
-        """Entropy in nats/byte of the byte frequencies: what a context-free model achieves."""
-        counts = np.bincount(self.tokens, minlength=256).astype(np.float64)
+    def unigram_entropy(self, rows: int | None = None) -> float:
+        """Entropy in nats/byte of the byte frequencies of the targets of the first `rows`
+        rows (default every row): what a context-free model achieves on the bytes an eval
+        of those rows scores."""
+        rows = len(self) if rows is None else rows
+        targets = self.tokens[1 : rows * self.seq_len + 1]  # row r's are [r·L + 1, r·L + L]
+        counts = np.bincount(targets, minlength=256).astype(np.float64)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum()) + 0.0  # + 0.0: one repeated byte gives 0, not -0
 

@@ -310,7 +310,9 @@ def summarize(
         summary.update(tracker.peak.to_json())
     summary.update(model_facts(config))
     if isinstance(eval_source, data_lib.TokenWindows):
-        summary["unigram_entropy"] = eval_source.unigram_entropy()
+        # Over the bytes the eval scored: train.eval_examples may leave rows out.
+        evaluated = data_lib.eval_row_count(eval_source, config.train.eval_examples)
+        summary["unigram_entropy"] = eval_source.unigram_entropy(evaluated)
     return summary
 
 
@@ -354,7 +356,7 @@ def format_summary(s: dict) -> str:
             h = s["unigram_entropy"]
             lines.append(
                 f"  eval loss {s['eval_loss']:.3f} nats/byte vs unigram entropy {h:.3f} "
-                f"nats/byte of the held-out bytes ({s['eval_loss'] / h:.0%} of it)"
+                f"nats/byte of the held-out bytes evaluated ({s['eval_loss'] / h:.0%} of it)"
             )
         else:
             lines.append(

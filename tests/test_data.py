@@ -85,8 +85,11 @@ def test_token_windows_predict_the_next_byte():
     row = source[np.array([1])]
     assert bytes(row["inputs"][0].astype(np.uint8)) == b"def"
     assert bytes(row["targets"][0].astype(np.uint8)) == b"efg"
-    uniform = TokenWindows(np.arange(256, dtype=np.uint8), seq_len=2)
+    # Targets are bytes 1..256 of 257 (row r's are r·L + 1 .. r·L + L): each byte value once.
+    uniform = TokenWindows((np.arange(257) % 256).astype(np.uint8), seq_len=2)
     assert np.isclose(uniform.unigram_entropy(), np.log(256))
+    # The first 2 rows score bytes 1, 2, 3, 4: the entropy of those, not of every byte.
+    assert np.isclose(uniform.unigram_entropy(rows=2), np.log(4))
 
 
 def test_default_corpus_is_the_stdlib_source_in_sorted_order():

@@ -1,5 +1,7 @@
 """What a finished run's summary says."""
 
+import pytest
+
 from jaxkit.records import format_summary
 
 
@@ -72,3 +74,30 @@ def test_a_step_that_scores_nothing_is_logged_with_no_loss(tmp_path, capsys):
         else:
             assert r["loss"] is None, r
     assert out.count("loss none (no scored target)") == expected.count(0)
+
+
+def test_the_unigram_baseline_covers_the_rows_the_eval_read(tmp_path, capsys):
+    """train.eval_examples=8 evaluates 8 held-out rows: the baseline is their targets'
+    entropy, not every held-out byte's."""
+    import json
+
+    import numpy as np
+
+    from jaxkit import cli
+    from tests.small_configs import SMALL_LM
+
+    rng = np.random.default_rng(0)
+    text = rng.integers(32, 127, size=10_000).astype(np.uint8)
+    # The held-out tail (the last 10%) opens with 8 rows of 16 alternating bytes: their
+    # targets (bytes 1..128) are 64 a's and 64 b's, entropy ln 2; the rest is near uniform.
+    text[9000 : 9000 + 129] = np.frombuffer(b"ab" * 65, dtype=np.uint8)[:129]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(text.tobytes())
+    argv = ["train", "lm_tiny", *SMALL_LM, "data.source=text", f"data.path={corpus}",
+            "data.eval_fraction=0.1", "batch.global_batch_size=8", "batch.per_device_batch_size=1",
+            "train.steps=1", "train.eval_examples=8", "checkpoint.every=0",
+            "--no-progress", "--workdir", str(tmp_path / "run")]  # fmt: skip
+    assert cli.main(argv) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["unigram_entropy"] == pytest.approx(np.log(2), rel=1e-12)  # float64 sums
+    assert "of the held-out bytes evaluated" in capsys.readouterr().out
