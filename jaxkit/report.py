@@ -88,30 +88,69 @@ def _fmt(value: object, spec: str = ".4f") -> str:
     return "—" if value is None else format(value, spec) if isinstance(value, float) else str(value)
 
 
-def summary_row(run: dict) -> dict:
+def _stages(train: list[dict]) -> list[list[dict]]:
+    """A run's train records cut where the global batch or K changes (a batch schedule's
+    stages, or a resume under another plan): each part's steps take their own time."""
+    parts: list[list[dict]] = []
+    for record in train:
+        batch = (record.get("global_batch_size"), record.get("grad_accum_steps"))
+        if not parts or batch != (
+            parts[-1][-1].get("global_batch_size"),
+            parts[-1][-1].get("grad_accum_steps"),
+        ):
+            parts.append([])
+        parts[-1].append(record)
+    return parts
+
+
+def _row(
+    name: str, status: str, plan: dict, part: list[dict], timed: list[dict], evals: list[dict]
+) -> dict:
+    """The table's row for train records `part` (a stage, or the run), timed by `timed`."""
+    # Each record's own rate: a window's time and rate belong to its own stage.
+    times = [r["step_time_s"] for r in timed]
+    rates = [r["examples_per_s"] for r in timed]
+    last = part[-1] if part else {}
+    return {
+        "run": name,
+        "status": status,
+        "devices": plan.get("data_parallel_size"),
+        "per_device": plan.get("per_device_batch_size"),
+        "accum": last.get("grad_accum_steps", plan.get("grad_accum_steps")),
+        "global_batch": last.get("global_batch_size", plan.get("global_batch_size")),
+        "steps": last.get("step", 0),
+        "final_loss": last.get("loss"),
+        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "median_step_time_s": statistics.median(times) if times else None,
+        "examples_per_s": statistics.median(rates) if rates else None,
+    }
+
+
+def summary_rows(run: dict) -> list[dict]:
+    """The run's row, whose timings are its last stage's (as summary.json's), and for a
+    run whose batch changed one row per stage after it."""
     train = [r for r in run["records"] if "loss" in r]
     evals = [r for r in run["records"] if "eval_loss" in r]
     plan = run["plan"] or {}
-    # The first window includes compilation. Each record's own rate: a run resumed with
-    # another global batch has steps of both sizes.
-    times = [r["step_time_s"] for r in train[1:]]
-    step_time = statistics.median(times) if times else None
-    rates = [r["examples_per_s"] for r in train[1:]]
-    last = train[-1] if train else {}
-    return {
-        "run": run["name"],
-        "status": "finished" if run["summary"] else "running or interrupted",
-        "devices": plan.get("data_parallel_size"),
-        "per_device": plan.get("per_device_batch_size"),
-        # The last step's: a batch schedule changes both as the run goes.
-        "accum": last.get("grad_accum_steps", plan.get("grad_accum_steps")),
-        "global_batch": last.get("global_batch_size", plan.get("global_batch_size")),
-        "steps": train[-1]["step"] if train else 0,
-        "final_loss": train[-1]["loss"] if train else None,
-        "final_eval_loss": evals[-1]["eval_loss"] if evals else None,
-        "median_step_time_s": step_time,
-        "examples_per_s": statistics.median(rates) if rates else None,
-    }
+    status = "finished" if run["summary"] else "running or interrupted"
+    stages = _stages(train)
+    # The run's first window includes compilation: its time is no stage's step time.
+    timed = [[r for r in part if r is not train[0]] for part in stages]
+    rows = [_row(run["name"], status, plan, train, timed[-1] if timed else [], evals)]
+    if len(stages) < 2:
+        return rows
+    after = 0
+    for i, (part, times) in enumerate(zip(stages, timed, strict=True)):
+        mine = [e for e in evals if after < e["step"] <= part[-1]["step"]]  # its params'
+        name = f"{run['name']} stage {i + 1}"
+        rows.append(_row(name, f"of {len(stages)}", plan, part, times, mine))
+        after = part[-1]["step"]
+    return rows
+
+
+def summary_row(run: dict) -> dict:
+    """The run's own row of the report's table."""
+    return summary_rows(run)[0]
 
 
 def write_report(
@@ -127,7 +166,7 @@ def write_report(
     _plot(runs, out_dir, "examples_seen", "examples seen", PLOTS[1])
     _plot_throughput(runs, out_dir)
 
-    rows = [summary_row(run) for run in runs]
+    rows = [row for run in runs for row in summary_rows(run)]
     header = list(rows[0])
     lines = [
         "# jaxkit report",

@@ -1,12 +1,14 @@
 import json
+import statistics
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.loop import train
-from jaxkit.report import PLOTS, load_run, summary_row
+from jaxkit.report import PLOTS, load_run, summary_row, summary_rows
 
 
 def tiny_run(workdir, per_device):
@@ -73,6 +75,7 @@ def test_throughput_of_a_run_whose_global_batch_changed_is_its_steps_own(tmp_pat
             "step": s,
             "loss": 1.0,
             "examples_seen": 16 * s,
+            "global_batch_size": 16,
             "step_time_s": 0.1,
             "examples_per_s": 160.0,
         }
@@ -82,6 +85,7 @@ def test_throughput_of_a_run_whose_global_batch_changed_is_its_steps_own(tmp_pat
             "step": s,
             "loss": 1.0,
             "examples_seen": 64 + 64 * (s - 4),
+            "global_batch_size": 64,
             "step_time_s": 0.2,
             "examples_per_s": 320.0,
         }
@@ -89,5 +93,51 @@ def test_throughput_of_a_run_whose_global_batch_changed_is_its_steps_own(tmp_pat
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "plan.json").write_text(json.dumps({"global_batch_size": 64}))
-    row = summary_row(load_run(tmp_path))
-    assert row["examples_per_s"] == 160.0  # the median window: 3 of the 5 counted ran at 160
+    run, stage_1, stage_2 = summary_rows(load_run(tmp_path))
+    # The run's row is its last stage's, as summary.json is; each stage's its own (the
+    # run's first window, compile included, counted in none).
+    assert (run["examples_per_s"], run["median_step_time_s"], run["global_batch"]) == (
+        320.0,
+        0.2,
+        64,
+    )
+    assert stage_1["run"] == f"{tmp_path.name} stage 1"
+    assert (stage_1["steps"], stage_1["examples_per_s"]) == (4, 160.0)
+    assert stage_2["run"] == f"{tmp_path.name} stage 2"
+    assert (stage_2["steps"], stage_2["examples_per_s"]) == (6, 320.0)
+    assert summary_row(load_run(tmp_path)) == run
+
+
+def test_report_of_a_ramped_run_gives_its_last_stage_and_a_row_per_stage(tmp_path, capsys):
+    """mlp_digits at 32 rows (K = 1) for 4 steps, then 64 (K = 2) for 4."""
+    from jaxkit import cli
+
+    argv = ["train", "mlp_digits", "batch.global_batch_size=null", "batch.schedule=0:32,128:64",
+            "train.steps=8", "train.log_every=1", "train.eval_every=2", "checkpoint.every=0",
+            "--no-progress", "--workdir", str(tmp_path / "ramp")]  # fmt: skip
+    assert cli.main(argv) == 0
+    records = [json.loads(line) for line in (tmp_path / "ramp" / "metrics.jsonl").open()]
+    train = [r for r in records if "loss" in r]
+    assert [r["global_batch_size"] for r in train] == [32] * 4 + [64] * 4
+    summary = json.loads((tmp_path / "ramp" / "summary.json").read_text())
+    assert cli.main(["report", str(tmp_path / "ramp"), "--out", str(tmp_path / "report")]) == 0
+    table = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in (tmp_path / "report" / "report.md").read_text().splitlines()
+        if line.startswith("| ramp")
+    ]
+    assert [row[:7] for row in table] == [
+        ["ramp", "finished", "8", "4", "2", "64", "8"],
+        ["ramp stage 1", "of 2", "8", "4", "1", "32", "4"],
+        ["ramp stage 2", "of 2", "8", "4", "2", "64", "8"],
+    ]
+    # One record a step: the run's median step is summary.json's, over the last stage only.
+    last_stage = [r["step_time_s"] for r in train[4:]]
+    assert summary["median_step_time_s"] == pytest.approx(statistics.median(last_stage), rel=1e-12)
+    assert float(table[0][9]) == pytest.approx(summary["median_step_time_s"], abs=5e-5)
+    first_stage = [r["step_time_s"] for r in train[1:4]]  # step 1's window holds the compile
+    assert float(table[1][9]) == pytest.approx(statistics.median(first_stage), abs=5e-5)
+    # Each stage's last eval: step 4 (stage 1's params), step 8 (stage 2's).
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert float(table[1][8]) == pytest.approx(evals[4], abs=5e-5)
+    assert float(table[2][8]) == pytest.approx(evals[8], abs=5e-5)
