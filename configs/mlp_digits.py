@@ -16,7 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = base_config()
 
     c.model = ml_collections.ConfigDict()
-    c.model.kind = "mlp"  # transformer | mlp
+    c.model.kind = "mlp"  # mlp | package.module:factory (a classifier of your own)
     c.model.hidden_size = 128  # divisible by mesh.fsdp and mesh.tensor
     c.model.num_layers = 2  # hidden layers
     c.model.num_classes = 10

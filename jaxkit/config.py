@@ -450,24 +450,41 @@ SOURCE_RULES: dict[str, dict[str, Rule]] = {
 BYTES = 256  # the text source's token ids are bytes
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10  # scikit-learn's 8×8 digits, labels 0..9
 
-# A model of your own (jaxkit/custom_model.py) is a language model over the transformer's
-# data: the vocabulary and the rows are the data's, every other size the model's own.
+# A model of your own (jaxkit/custom_model.py) takes the data its config names, and every
+# other size is its own: a language model over the transformer's data (the vocabulary and
+# the rows are the data's), or a classifier over the MLP's (rows of features; the classes
+# are the data's: digits' 10, or the model.num_classes that synthetic rows are labelled in).
 MODEL_RULES[CUSTOM_KIND] = {
     key: rule
     for key, rule in MODEL_RULES["transformer"].items()
     if key.startswith("data.") or key == "model.vocab_size"
 }
 OPTIONAL_RULES[CUSTOM_KIND] = {}
+CUSTOM_CLASSIFIER = f"{CUSTOM_KIND} (classifier)"  # the key of its rules, not a kind
+MODEL_RULES[CUSTOM_CLASSIFIER] = {
+    key: rule for key, rule in MODEL_RULES["mlp"].items() if key.startswith("data.")
+}
+OPTIONAL_RULES[CUSTOM_CLASSIFIER] = {
+    "data.seq_len": _null("a classifier reads rows of features, not sequences")
+}
 
 
-def _rules_key(kind: str) -> str:
-    return CUSTOM_KIND if is_custom(kind) else kind
+def _rules_key(kind: str, source: object, seq_len: object) -> str:
+    """The rules of `kind`; a model of your own's follow its data: rows of features (digits,
+    or synthetic without data.seq_len) make it a classifier, token rows a language model."""
+    if not is_custom(kind):
+        return kind
+    features = source == "digits" or (source == "synthetic" and seq_len is None)
+    return CUSTOM_CLASSIFIER if features else CUSTOM_KIND
 
 
-def is_lm(kind: str) -> bool:
-    """Whether `kind` is a language model ((B, L) tokens in, (B, L, V) logits out): the
-    kinds whose rules require data.seq_len, a model of your own among them."""
-    return "data.seq_len" in MODEL_RULES.get(_rules_key(kind), {})
+def is_lm(config: ml_collections.ConfigDict) -> bool:
+    """Whether `config` trains a language model ((B, L) tokens in, (B, L, V) logits out):
+    the kinds whose rules require data.seq_len, a model of your own on token rows among
+    them."""
+    d = config.data
+    key = _rules_key(str(config.model.kind), d.get("source"), d.get("seq_len"))
+    return "data.seq_len" in MODEL_RULES.get(key, {})
 
 
 def _check(flat: dict[str, object], rules: dict[str, Rule], needed_by: str | None) -> None:
@@ -492,8 +509,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"{old} was replaced by {RENAMED[old]}")
     _check(flat, BASE_RULES, "every job")
     kind, source = str(flat["model.kind"]), flat.get("data.source")
-    _check(flat, MODEL_RULES[_rules_key(kind)], f"model.kind={kind!r}")
-    _check(flat, OPTIONAL_RULES[_rules_key(kind)], None)
+    model_rules = _rules_key(kind, source, flat.get("data.seq_len"))
+    _check(flat, MODEL_RULES[model_rules], f"model.kind={kind!r}")
+    _check(flat, OPTIONAL_RULES[model_rules], None)
     own = SOURCE_RULES.get(str(source), {})
     _check(flat, own, f"data.source={source!r}")
     for rules in SOURCE_RULES.values():  # other sources' keys, where this one reads none
@@ -533,6 +551,10 @@ def _check_relations(flat: dict[str, Any], kind: str) -> None:
         _check_transformer(flat)
     elif kind == "mlp":
         _check_mlp(flat)
+    elif _rules_key(kind, flat["data.source"], flat.get("data.seq_len")) == CUSTOM_CLASSIFIER:
+        _check_digits_features(flat)
+        if flat["data.source"] == "synthetic":  # its rows are labelled in that many classes
+            _check(flat, {"model.num_classes": _POSITIVE}, "data.source='synthetic'")
 
 
 def _check_transformer(flat: dict[str, Any]) -> None:
@@ -567,14 +589,18 @@ def _check_transformer(flat: dict[str, Any]) -> None:
         )
 
 
-def _check_mlp(flat: dict[str, Any]) -> None:
-    if flat["data.source"] != "digits":
-        return
-    if flat["data.num_features"] != DIGITS_FEATURES:
+def _check_digits_features(flat: dict[str, Any]) -> None:
+    if flat["data.source"] == "digits" and flat["data.num_features"] != DIGITS_FEATURES:
         raise ConfigError(
             f"data.num_features={flat['data.num_features']}: data.source='digits' gives "
             f"{DIGITS_FEATURES} features (8×8 pixels)"
         )
+
+
+def _check_mlp(flat: dict[str, Any]) -> None:
+    _check_digits_features(flat)
+    if flat["data.source"] != "digits":
+        return
     if flat["model.num_classes"] < DIGITS_CLASSES:
         raise ConfigError(
             f"model.num_classes={flat['model.num_classes']}: data.source='digits' has labels "

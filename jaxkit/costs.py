@@ -154,7 +154,7 @@ def split_config(
 
 def batch_row_spec(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], str]]:
     """Each train batch entry's per-row shape and dtype, as the loader delivers them."""
-    if is_lm(config.model.kind):
+    if is_lm(config):
         row = ((config.data.seq_len,), "int32")
         spec: dict[str, tuple[tuple[int, ...], str]] = {
             "inputs": row,

@@ -1,10 +1,13 @@
 """A model of your own: `model.kind="package.module:factory"`.
 
-`factory(config, rngs)` returns an `nnx.Module` that maps `inputs` (B, L) int32 tokens to
-logits (B, L, V): a language model over the transformer's data (`data.source` text or
-synthetic, `data.seq_len`, `model.vocab_size`). Params annotated with
-`nnx.with_partitioning` are laid out as annotated (axes of mesh.AXES); the others are
-replicated on every device, with one warning that names them.
+`factory(config, rngs)` returns an `nnx.Module` for the data the config names:
+- a language model over the transformer's data (`data.source` text, tokens or synthetic
+  with `data.seq_len`): `inputs` (B, L) int32 tokens to logits (B, L, V), V = model.vocab_size;
+- a classifier over the MLP's (`data.source` digits, or synthetic without `data.seq_len`):
+  `inputs` (B, I) float32 features to logits (B, C), I = data.num_features and C the data's
+  classes (digits' 10; synthetic rows are labelled in model.num_classes).
+Params annotated with `nnx.with_partitioning` are laid out as annotated (axes of
+mesh.AXES); the others are replicated on every device, with one warning that names them.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit.config import BYTES, CUSTOM_KIND, ConfigError
+from jaxkit.config import BYTES, CUSTOM_KIND, DIGITS_CLASSES, ConfigError, is_lm
 
 _WARNED: set[str] = set()  # warnings given in this process
 
@@ -100,15 +103,45 @@ def _abstract(config: ml_collections.ConfigDict) -> nnx.Module:
         return nnx.eval_shape(lambda: build(config, nnx.Rngs(0)))
 
 
+def data_classes(config: ml_collections.ConfigDict) -> int:
+    """The classes a classifier's data are labelled in: digits' 10, synthetic's
+    model.num_classes (its rows' labels are the argmax of that many teacher outputs)."""
+    return DIGITS_CLASSES if config.data.source == "digits" else int(config.model.num_classes)
+
+
+def _contract(config: ml_collections.ConfigDict) -> tuple[jax.ShapeDtypeStruct, tuple, str, str]:
+    """(one row of inputs, the logits' shape for it, what each means) for the config's data."""
+    d = config.data
+    if is_lm(config):
+        vocab = config.model.vocab_size
+        return (
+            jax.ShapeDtypeStruct((1, d.seq_len), jnp.int32),
+            (1, d.seq_len, vocab),
+            "(rows, data.seq_len)",
+            "(rows, data.seq_len, model.vocab_size)",
+        )
+    classes = data_classes(config)
+    of = (
+        "model.num_classes, the classes synthetic rows are labelled in"
+        if d.source == "synthetic"
+        else f"the {classes} classes of data.source='digits'"
+    )
+    return (
+        jax.ShapeDtypeStruct((1, d.num_features), jnp.float32),
+        (1, classes),
+        "(rows, data.num_features)",
+        f"(rows, {of})",
+    )
+
+
 def check(config: ml_collections.ConfigDict) -> None:
     """Imports the factory, builds the model from shapes alone and checks its logits; warns
     once of the params it leaves replicated."""
     kind, d = config.model.kind, config.data
-    vocab = config.model.vocab_size
-    if d.source == "text" and vocab < BYTES:
+    if is_lm(config) and d.source == "text" and config.model.vocab_size < BYTES:
         raise ConfigError(
-            f"model.vocab_size={vocab}: data.source='text' feeds bytes, so it must be at "
-            f"least {BYTES}"
+            f"model.vocab_size={config.model.vocab_size}: data.source='text' feeds bytes, so "
+            f"it must be at least {BYTES}"
         )
     model = _abstract(config)
     # The train state is every variable of the module, and the optimizer updates all of it.
@@ -121,15 +154,14 @@ def check(config: ml_collections.ConfigDict) -> None:
             "stored rngs, as nnx.Dropout keeps, and no batch statistics)"
         )
     graphdef, state = nnx.split(model)
-    tokens = jax.ShapeDtypeStruct((1, d.seq_len), jnp.int32)
-    logits = jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(t), state, tokens)
-    want = (1, d.seq_len, vocab)
+    inputs, want, inputs_are, logits_are = _contract(config)
+    logits = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, inputs)
     got = getattr(logits, "shape", None)
     if got != want:
         raise ConfigError(
-            f"model.kind={kind!r}: for inputs of shape (1, {d.seq_len}) (rows, data.seq_len) "
-            f"the model returns {f'logits of shape {got}' if got else type(logits).__name__}; "
-            f"expected {want} (rows, data.seq_len, model.vocab_size)"
+            f"model.kind={kind!r}: for inputs of shape {inputs.shape} {inputs_are} the model "
+            f"returns {f'logits of shape {got}' if got else type(logits).__name__}; "
+            f"expected {want} {logits_are}"
         )
     replicated = unannotated_params(model)
     message = (

@@ -231,7 +231,7 @@ def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySou
     """Learnable synthetic rows, fixed by the seed: a linear teacher, or counting sequences."""
     d, n = config.data, config.data.num_examples
     rng = np.random.default_rng(12345)
-    if is_lm(config.model.kind):
+    if is_lm(config):
         vocab = config.model.vocab_size
         start = rng.integers(0, vocab, size=(n, 1))
         stride = rng.integers(1, 4, size=(n, 1))

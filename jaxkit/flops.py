@@ -51,7 +51,7 @@ def model_flops_per_example(config: ml_collections.ConfigDict) -> float:
     from jaxkit.train_step import abstract_params  # the model's shapes, nothing allocated
 
     n = matmul_params(config, abstract_params(config))
-    if not is_lm(config.model.kind):
+    if not is_lm(config):
         return 6.0 * n
     m, seq_len = config.model, config.data.seq_len
     if m.kind not in LM_KINDS:  # a model of your own: its architecture is not known here

@@ -18,12 +18,14 @@ from test_equivalence import (
     GRAD_NORM_RTOL,
     LOSS_RTOL,
     PARAM_ATOL,
+    STEPS,
     max_param_diff,
     reference_for,
     run_splits,
 )
+from test_loop import reference as eval_reference
 
-from jaxkit import custom_model
+from jaxkit import cli, custom_model
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import ConfigError, apply_overrides, is_lm, load_config, validate
 from jaxkit.costs import batch_row_spec
@@ -80,6 +82,37 @@ def with_dropout(config, rngs):
     model = TinyLM(config.model.vocab_size, 8, rngs)
     model.drop = nnx.Dropout(0.1, rngs=rngs)
     return model
+
+
+class TinyClassifier(nnx.Module):  # features to class logits, every param annotated
+    def __init__(self, num_features, hidden, num_classes, rngs):
+        annotated = nnx.with_partitioning
+
+        self.hidden = nnx.Linear(
+            num_features,
+            hidden,
+            kernel_init=annotated(nnx.initializers.lecun_normal(), ("fsdp", None)),
+            bias_init=annotated(nnx.initializers.zeros_init(), (None,)),
+            rngs=rngs,
+        )
+        self.head = nnx.Linear(
+            hidden,
+            num_classes,
+            kernel_init=annotated(nnx.initializers.lecun_normal(), (None, None)),
+            bias_init=annotated(nnx.initializers.zeros_init(), (None,)),
+            rngs=rngs,
+        )
+
+    def __call__(self, x_BxI):
+        return self.head(jax.nn.relu(self.hidden(x_BxI)))
+
+
+def classifier(config, rngs):
+    return TinyClassifier(config.data.num_features, 32, config.model.num_classes, rngs)
+
+
+def nine_classes(config, rngs):
+    return TinyClassifier(config.data.num_features, 32, 9, rngs)
 
 
 NOT_CALLABLE = 3
@@ -179,7 +212,7 @@ def test_params_without_annotation_are_replicated_the_rest_as_annotated(model_di
 
 def test_a_custom_kind_reads_the_language_model_data(model_dir):
     config = lm_config(KIND, "data.source=synthetic", "data.num_examples=64")
-    assert is_lm(config.model.kind)
+    assert is_lm(config)
     assert batch_row_spec(config) == {
         "inputs": ((16,), "int32"),
         "targets": ((16,), "int32"),
@@ -251,3 +284,74 @@ def test_annotations_must_name_mesh_axes_and_divide_evenly(model_dir):
     )
     with pytest.raises(ConfigError, match=r"head.kernel is annotated with mesh axis 'model', not"):
         check_mesh_divides(lm_config("model.kind=mymodel:bad_axis"), mesh)
+
+
+CLASSIFIER = "model.kind=mymodel:classifier"
+
+
+def digits_config(*overrides):
+    config = load_config("mlp_digits")
+    apply_overrides(config, list(overrides))
+    return config
+
+
+def test_a_classifier_trains_through_the_cli_and_matches_the_full_batch_reference(
+    model_dir, tmp_path, capsys
+):
+    """mlp_digits with a classifier of your own, through the CLI's entry point on two splits
+    of 32 rows (8 × 4 × 1, and 4 data × 2 fsdp × 2 × 2 with its hidden kernel sharded):
+    losses, gradient norms and the last step's eval match a plain optax loop over the same
+    rows (test_equivalence's reference) and its params' eval (test_loop's)."""
+    ref_losses, ref_grad_norms, trajectory = reference_for("mlp_digits", [CLASSIFIER])
+    assert ref_losses[-1] < ref_losses[0]  # the reference itself trains
+    ref_loss, ref_accuracy = eval_reference(digits_config(CLASSIFIER), trajectory[-1], 32)
+    common = [CLASSIFIER, "batch.global_batch_size=32", "train.eval_examples=32"]
+    common += [f"train.steps={STEPS}", "train.log_every=1", f"train.eval_every={STEPS}"]
+    common += ["optimizer.warmup_steps=2", "mesh.data=-1", "--no-progress"]
+    splits = {"K1": ["batch.per_device_batch_size=4"]}
+    splits["K2"] = ["batch.per_device_batch_size=2", "mesh.fsdp=2"]
+    for name, split in splits.items():
+        workdir = tmp_path / name
+        assert cli.main(["train", "mlp_digits", *common, *split, "--workdir", str(workdir)]) == 0
+        records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+        logged = [r for r in records if "loss" in r]
+        assert [r["grad_accum_steps"] for r in logged] == [int(name[1])] * STEPS
+        np.testing.assert_allclose([r["loss"] for r in logged], ref_losses, rtol=LOSS_RTOL)
+        np.testing.assert_allclose(
+            [r["grad_norm"] for r in logged], ref_grad_norms, rtol=GRAD_NORM_RTOL
+        )
+        (evaluated,) = [r for r in records if "eval_loss" in r]
+        # Params PARAM_ATOL apart: the same loss to a few ulps of ~2, and the same argmax
+        # on these 32 rows.
+        assert evaluated["eval_loss"] == pytest.approx(ref_loss, rel=LOSS_RTOL), name
+        assert evaluated["eval_accuracy"] == ref_accuracy, name
+    assert "mesh data=4 × fsdp=2" in capsys.readouterr().out
+
+
+def test_a_classifier_takes_the_mlps_data_and_the_datas_classes(model_dir):
+    config = digits_config(CLASSIFIER)
+    validate(config)  # neither model.vocab_size nor data.seq_len: rows of features
+    assert not is_lm(config)
+    assert batch_row_spec(config) == {
+        "inputs": ((64,), "float32"),
+        "targets": ((), "int32"),
+        "loss_weights": ((), "float32"),
+    }
+    with pytest.raises(ConfigError) as err:
+        validate(digits_config("model.kind=mymodel:nine_classes"))
+    assert (
+        "for inputs of shape (1, 64) (rows, data.num_features) the model returns logits of "
+        "shape (1, 9); expected (1, 10) (rows, the 10 classes of data.source='digits')"
+    ) in str(err.value)
+    with pytest.raises(ConfigError, match=r"data.num_features=60: data.source='digits' gives 64"):
+        validate(digits_config(CLASSIFIER, "data.num_features=60"))
+    # Synthetic rows are labelled in model.num_classes: 9 of them for a classifier of 9.
+    config = digits_config(
+        "data.source=synthetic", "model.num_classes=9", "model.kind=mymodel:nine_classes"
+    )
+    validate(config)
+    train_rows, _ = make_sources(config)
+    assert set(np.unique(train_rows[np.arange(len(train_rows))]["targets"])) <= set(range(9))
+    del config.model.num_classes
+    with pytest.raises(ConfigError, match=r"no model.num_classes, which data.source='synthetic'"):
+        validate(config)
