@@ -435,6 +435,8 @@ def train(
     if checkpointer:
         summary["checkpoint_blocking_s"] = checkpointer.blocking_s
         summary["checkpoints_saved"] = checkpointer.saves
+    # `steps` counts the run's optimizer steps in all; the timings are this attempt's.
+    summary["steps_this_attempt"] = total - position.step
     if run_dir:
         run_dir.write_json("summary.json", summary)
     echo(format_summary(summary))
@@ -637,6 +639,11 @@ def _finished_run(
             None if fixed else schedule.to_json(),
         )
         summary["rebuilt_from"] = "metrics.jsonl"  # no timings: they were never logged whole
+        # Unknown, not 0: the run's first step and wall time were never logged, and what
+        # this process compiled to rebuild the summary is not the run's compile.
+        summary |= {"first_step_s": None, "wall_time_s": None}
+        if "compile_s" in summary:
+            summary["compile_s"] = None
         if jax.process_index() == 0:
             write_text_atomic(summary_file, json.dumps(summary, indent=2) + "\n")
             echo(f"wrote the missing {summary_file} from metrics.jsonl")

@@ -327,12 +327,20 @@ def model_facts(config: ml_collections.ConfigDict) -> dict:
 
 
 def format_summary(s: dict) -> str:
-    lines = [f"done: {s['steps']} optimizer steps in {s['wall_time_s']:.1f} s"]
+    steps, wall = s["steps"], s.get("wall_time_s")
+    took = "" if wall is None else f" in {wall:.1f} s"  # None: a summary rebuilt from the log
+    this_attempt = s.get("steps_this_attempt", steps)
+    if this_attempt != steps:  # a resumed run: its time is this attempt's, not the run's
+        head = f"done: {this_attempt} optimizer steps this attempt{took}; {steps} in all"
+    else:
+        head = f"done: {steps} optimizer steps{took}"
+    lines = [head]
     if s["median_step_time_s"]:
         rate = f"{s['examples_per_s']:,.1f} examples/s"
         if "tokens_per_s" in s:
             rate += f", {s['tokens_per_s']:,.0f} tokens/s"
-        compile_s = f"compile {s['compile_s']:.1f} s, " if "compile_s" in s else ""
+        compiled = s.get("compile_s")  # None where unknown (a summary rebuilt from the log)
+        compile_s = f"compile {compiled:.1f} s, " if compiled is not None else ""
         lines.append(
             f"  median step {s['median_step_time_s'] * 1e3:.1f} ms ({rate}); "
             f"{compile_s}first step {s['first_step_s']:.1f} s"

@@ -581,3 +581,31 @@ def test_a_changed_noise_scale_decay_resumes(tmp_path):
     run(digits(), tmp_path, stop_after_micro_steps=2)
     resumed = run(digits("train.noise_scale_decay=0.5"), tmp_path)  # only smooths a metric
     assert not resumed.stopped and int(resumed.state.step) == 6
+
+
+def test_a_resumed_run_says_its_steps_apart_and_a_rebuilt_summary_knows_no_timings(
+    tmp_path, capsys
+):
+    """`done:` names this attempt's steps with this attempt's time and the run's in all;
+    a summary rebuilt from metrics.jsonl has no timings to give: null, not 0."""
+    import re
+
+    from jaxkit import cli
+
+    args = ["train", "mlp_digits", "train.eval_every=0", "checkpoint.every=0", "--no-progress",
+            "--workdir", str(tmp_path)]  # fmt: skip
+    assert cli.main([*args, "train.steps=4"]) == 0
+    assert re.search(r"^done: 4 optimizer steps in [\d.]+ s$", capsys.readouterr().out, re.M)
+    assert cli.main([*args, "train.steps=7", "--allow-longer"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^done: 3 optimizer steps this attempt in [\d.]+ s; 7 in all$", out, re.M)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["steps"], summary["steps_this_attempt"]) == (7, 3)
+    (tmp_path / "summary.json").unlink()
+    assert cli.main([*args, "train.steps=7"]) == 0
+    assert "wrote the missing" in capsys.readouterr().out
+    rebuilt = json.loads((tmp_path / "summary.json").read_text())
+    assert rebuilt["rebuilt_from"] == "metrics.jsonl" and rebuilt["steps"] == 7
+    for key in ("first_step_s", "wall_time_s", "compile_s", "median_step_time_s"):
+        assert rebuilt[key] is None, key
+    assert rebuilt["final_loss"] == summary["final_loss"]
