@@ -25,6 +25,7 @@ import re
 import ml_collections
 
 from jaxkit.batch_plan import BatchPlan, BatchPlanError, format_table, make_batch_plan
+from jaxkit.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
 
 AUTO = "auto"
 _STAGE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kMG]?)\s*(t?)\s*:\s*([0-9]+)\s*")
@@ -363,14 +364,12 @@ def schedule_from_config(
                 f"batch.max_global_batch_size={max_global} must be the first global batch "
                 f"{g0} doubled zero or more times: one of {', '.join(map(str, doubles))}, ..."
             )
-        fused_groups = t.accumulation == "fused" and mesh_shape.get("data", 1) > 1
-        if first.grad_accum_steps < 2 and not fused_groups:
+        if not has_two_batch_sizes(first.global_batch_size):
             raise BatchPlanError(
                 "batch.schedule=auto reads the gradient noise scale, which needs the gradient "
-                "at two batch sizes: a micro-batch and the accumulated global batch. Start with "
-                f"grad_accum_steps >= 2 (this plan has {first.grad_accum_steps}: lower "
-                "batch.per_device_batch_size), or use train.accumulation=fused on a mesh with "
-                "mesh.data > 1 (each data group's gradient is the small batch)"
+                f"at two batch sizes: the first {SMALL_BATCH_ROWS} row(s) of each global batch "
+                f"and the whole of it. Start with batch.global_batch_size > {SMALL_BATCH_ROWS} "
+                f"(this plan has {first.global_batch_size})"
             )
         if t.get("examples") is None:
             raise BatchPlanError(

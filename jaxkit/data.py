@@ -386,6 +386,20 @@ def load_micro_batch(
     return to_global_array(picked, sharding, len(rows))
 
 
+def load_small_batch(
+    source: Source, first_example: int, rows: int, seed: int, sharding: jax.sharding.Sharding
+) -> dict[str, jax.Array] | None:
+    """The first `rows` examples of the optimizer step starting at `first_example`, with
+    loss_weights summing to 1 (their own mean loss): the noise scale's small batch, the
+    same rows for every split. None when they score no target."""
+    picked = stream_rows(first_example, rows, len(source), seed)
+    scale = _scale(float(row_weight_sums(source, picked).sum()))
+    if scale == 0:
+        return None
+    local = picked[process_row_range(sharding, rows)]
+    return to_global_array(_with_loss_weights(source[local], scale), sharding, rows)
+
+
 def load_global_batch(
     source: Source,
     first_example: int,

@@ -52,7 +52,7 @@ def fused_train_step(
     def accumulate(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
         """Gradient and loss summed over this group's rows of the K micro-batches (the
         loader's weights make the sum over every group the global batch's Σ w·loss / Σ w),
-        non-finite micro-batches, and the mean |micro-batch gradient|² in mean-loss scale."""
+        and the non-finite micro-batches."""
 
         def micro(grad_sum: Any, mb: dict[str, jax.Array]) -> tuple[Any, tuple]:
             def loss_fn(p: Any) -> jax.Array:
@@ -60,47 +60,35 @@ def fused_train_step(
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             grads = float32(grads)
-            norm = optax.tree.norm(grads)
-            finite = jnp.isfinite(loss) & jnp.isfinite(norm)
-            return jax.tree.map(jnp.add, grad_sum, grads), (loss, ~finite, norm**2)
+            finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+            return jax.tree.map(jnp.add, grad_sum, grads), (loss, ~finite)
 
         zeros = jax.tree.map(jnp.zeros_like, float32(params))
         if accum_steps == 1:  # no scan: the TPU compiler ran a one-trip scan's layers twice
             grad_sum, out = micro(zeros, jax.tree.map(lambda x: x[0], batch_KxB))
-            losses, nonfinite, small_sq = (x[None] for x in out)
+            losses, nonfinite = (x[None] for x in out)
         else:
-            grad_sum, (losses, nonfinite, small_sq) = jax.lax.scan(micro, zeros, batch_KxB)
-        # One group's share of one micro-batch weighs about 1 / (K × groups) of the step:
-        # scaled back, its gradient is that share's mean-loss gradient (the noise scale's
-        # small batch), exactly so for unweighted rows.
-        share = accum_steps * groups
-        return (
-            grad_sum,
-            jnp.sum(losses),
-            jnp.sum(nonfinite).astype(jnp.float32),
-            (jnp.mean(small_sq) * share**2),
-        )
+            grad_sum, (losses, nonfinite) = jax.lax.scan(micro, zeros, batch_KxB)
+        return grad_sum, jnp.sum(losses), jnp.sum(nonfinite).astype(jnp.float32)
 
     def per_data_group(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
         # Params are invariant across "data"; grad would then insert its own psum. Marking
         # them varying keeps the gradient local until the one reduction below.
         params = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
-        grads, loss, bad, small_sq = accumulate(params, batch_KxB)
         # The one reduction across "data" of the step: the groups' sums add up to the
         # global batch's gradient and loss.
-        grads, loss, bad, small_sq = jax.lax.psum((grads, loss, bad, small_sq), "data")
-        return grads, loss, bad, small_sq / groups
+        return jax.lax.psum(accumulate(params, batch_KxB), "data")
 
     if groups == 1:  # no data groups to reduce over (XLA rejects a 1-way one)
-        grads, loss, bad, small_sq = accumulate(state.params, batch)
+        grads, loss, bad = accumulate(state.params, batch)
     else:
         # Manual over "data" only: fsdp and tensor stay with the compiler, which keeps
         # params, gradients and the accumulator sharded as the params are.
-        grads, loss, bad, small_sq = jax.shard_map(
+        grads, loss, bad = jax.shard_map(
             per_data_group,
             mesh=mesh,
             in_specs=(P(), P(None, "data")),
-            out_specs=(P(), P(), P(), P()),
+            out_specs=(P(), P(), P()),
             axis_names={"data"},
         )(state.params, batch)
 
@@ -135,7 +123,5 @@ def fused_train_step(
         "nonfinite": jnp.where(ok, 0, accum_steps).astype(jnp.int32),
         "loss": loss,
         "grad_norm": inner[0].grad_norm,  # not finite for a skipped step; not logged then
-        # Mean |gradient|² of one device's share of a micro-batch (per_device rows).
-        "small_grad_sq": small_sq,
     }
     return new_state, metrics

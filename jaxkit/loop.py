@@ -34,6 +34,7 @@ from jaxkit.costs import StepPrograms
 from jaxkit.distributed import check_agreement
 from jaxkit.layers import LM_DEFAULTS, lm_option
 from jaxkit.metrics import RunDir, truncate_metrics
+from jaxkit.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
 from jaxkit.prefetch import Prefetcher
 from jaxkit.records import (
     StepInfo,
@@ -252,6 +253,14 @@ def train(
             train_source, first, micro, at_plan, seed, setup.batch_sharding, normalisation
         )
 
+    def small_batch_grad_sq(at: Setup, now: TrainState, first: int) -> jax.Array | None:
+        """The noise scale's small-batch |gradient|² at the params the step starting at
+        `first` began from (unchanged until its last call), dispatched before that call."""
+        rows = data_lib.load_small_batch(
+            train_source, first, SMALL_BATCH_ROWS, seed, at.small_batch_sharding
+        )
+        return None if rows is None else at.small_batch_grad_sq(now.params, rows)
+
     def upcoming(
         step: int, first: int, micro: int, at_plan: BatchPlan
     ) -> Iterator[tuple[tuple[int, int], BatchPlan]]:
@@ -337,7 +346,14 @@ def train(
                         batch = prefetcher.get(
                             (examples, micro), step_plan, upcoming(step, examples, micro, step_plan)
                         )
+                        small = None
+                        if micro == accum_steps - 1 and has_two_batch_sizes(
+                            step_plan.global_batch_size
+                        ):
+                            small = small_batch_grad_sq(setup, state, examples)
                         state, metrics = step_fn(state, batch, hyper)
+                        if small is not None:  # the step's last call carries it
+                            metrics = dict(metrics, small_grad_sq=small)
                         if pending is not None:
                             finish(pending)
                         pending = (step, micro, metrics, info)

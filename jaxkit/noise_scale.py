@@ -1,4 +1,4 @@
-"""The gradient noise scale B_simple, estimated online from gradients the step already has.
+"""The gradient noise scale B_simple, estimated online from two gradients of every step.
 
 McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", appendix A.1: with
 G_B the mean gradient of a batch of B rows, E|G_B|² = |G|² + tr(Σ)/B, where G is the true
@@ -12,26 +12,32 @@ and B_simple = tr Σ / |G|², the batch size at which the gradient's noise equal
 the critical batch size to first order. Each estimate is noisy (|G|² can even come out
 negative), so both are smoothed by an exponential moving average before dividing.
 
-In the kit, the small batch is a micro-batch (MultiSteps: data_parallel × per_device rows,
-averaged over the K micro-steps of an optimizer step) or one data group's share of it
-(fused: fsdp × per_device rows, the rows one index of the "data" axis holds, averaged over
-the groups and micro-steps); the big batch is the accumulated
-global batch the optimizer applies.
+In the kit, the big batch is the global batch the optimizer applies (its gradient is the
+accumulated one, behind grad_norm), and the small batch is the first SMALL_BATCH_ROWS rows
+of that global batch, whose gradient a call of its own takes at the step's starting params
+(train_step.small_batch_grad_sq). Both are fixed rows of the global batch, which is the same
+for every split (global batch i is rows perm[i·G : (i+1)·G], in that order), so the two
+squared norms, and all that is estimated from them, are the same for every split to float
+round-off, and every step with G > SMALL_BATCH_ROWS gives a sample, whatever its K. The
+micro-batch, which accumulation hands out for free, would not do: its size and rows follow
+the split, and a stage with K = 1 has none. The price is one forward and backward pass over
+SMALL_BATCH_ROWS rows per optimizer step, on every device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxkit.batch_plan import BatchPlan
+# Rows of the small batch. Any fixed count below the global batch keeps the estimate the
+# same for every split; the estimators are unbiased at any B_small < B_big, and for
+# Gaussian-like gradient noise their spread hardly depends on B_small, so the cheapest
+# (one row) is taken; every global batch of two rows or more then gives a sample.
+SMALL_BATCH_ROWS = 1
 
 
-def small_batch_size(plan: BatchPlan, accumulation: str) -> int:
-    """Rows behind the step's small-batch gradient: one data group's share of a micro-batch
-    in fused mode (its local gradient), a whole micro-batch with MultiSteps."""
-    if accumulation == "fused":
-        return plan.micro_batch_size // plan.mesh_shape["data"]
-    return plan.micro_batch_size
+def has_two_batch_sizes(global_batch_size: int) -> bool:
+    """Whether steps of this global batch give the noise scale its second batch size."""
+    return global_batch_size > SMALL_BATCH_ROWS
 
 
 def unbiased_estimates(

@@ -20,7 +20,7 @@ from jaxkit.config import LM_KINDS
 from jaxkit.costs import StepCost
 from jaxkit.data import Position
 from jaxkit.layers import LM_DEFAULTS, lm_option
-from jaxkit.noise_scale import NoiseScale, small_batch_size
+from jaxkit.noise_scale import SMALL_BATCH_ROWS, NoiseScale, has_two_batch_sizes
 from jaxkit.peak import Peak
 from jaxkit.train_step import Setup
 
@@ -54,14 +54,13 @@ class StepTracker:
     ):
         self.plan, self.setup = plan, setup
         self.cost, self.peak = cost, peak  # compiled FLOPs per step; the devices' peak
-        # The noise scale's small batch: a micro-batch, or one device's share of it (fused).
-        b_small = small_batch_size(plan, setup.accumulation)
-        # Updated only by steps with a second, larger batch size than b_small (K > 1, or
-        # fused on several data groups); a growing batch may bring one later.
+        # The noise scale's small batch: the first rows of each global batch, whatever the
+        # split; updated by every step whose global batch is larger.
         decay = config.train.noise_scale_decay
-        self.noise_scale = NoiseScale(b_small, plan.global_batch_size, decay)
+        self.noise_scale = NoiseScale(SMALL_BATCH_ROWS, plan.global_batch_size, decay)
         self.learning_rate = float("nan")
-        self.small_grad_sq: list[float] = []  # this optimizer step's, one per call
+        # This optimizer step's small-batch |gradient|², which comes with its last call.
+        self.small_grad_sq: float | None = None
         self.step_nonfinite = 0
         self.log_every = config.train.log_every
         self.max_nonfinite = config.train.max_nonfinite_in_row
@@ -94,7 +93,6 @@ class StepTracker:
             "skipped_micro_batches": self.skipped,
             "nonfinite_in_row": self.nonfinite_in_row,
             "nonfinite_in_row_at_step_start": self.in_row_at_step_start,
-            "partial_step_small_grad_sq": list(self.small_grad_sq),
             "partial_step_nonfinite": self.step_nonfinite,
             "noise_scale": self.noise_scale.state(),
         }
@@ -104,7 +102,6 @@ class StepTracker:
         half-step is redone rather than continued."""
         if partial_step:
             self.losses = [float(x) for x in saved["partial_step_losses"]]
-            self.small_grad_sq = [float(x) for x in saved.get("partial_step_small_grad_sq", [])]
             self.step_nonfinite = int(saved.get("partial_step_nonfinite", 0))
         if saved.get("noise_scale"):
             # Batch sizes may differ after a plan change: the averages carry over regardless.
@@ -139,7 +136,8 @@ class StepTracker:
         self.scored_targets = info.scored_targets
         self.micro_steps += self.plan.grad_accum_steps if self.fused else 1
         self.losses.append(float(m["loss"]))
-        self.small_grad_sq.append(float(m["small_grad_sq"]))
+        if "small_grad_sq" in m:  # none where the small batch scores no target
+            self.small_grad_sq = float(m["small_grad_sq"])
         nonfinite = int(m["nonfinite"])  # micro-batches whose gradient was dropped
         self.step_nonfinite += nonfinite
         self.skipped += nonfinite
@@ -177,9 +175,11 @@ class StepTracker:
             and grad_norm is not None
             and self.has_two_batch_sizes
             and self.scored_targets != 0
+            and self.small_grad_sq is not None
+            and np.isfinite(self.small_grad_sq)
         ):
-            self.noise_scale.update(float(np.mean(self.small_grad_sq)), grad_norm**2)
-        self.small_grad_sq, self.step_nonfinite = [], 0
+            self.noise_scale.update(self.small_grad_sq, grad_norm**2)
+        self.small_grad_sq, self.step_nonfinite = None, 0
         self.in_row_at_step_start = self.nonfinite_in_row
         record = self._record(done, grad_norm)
         self.losses = []
@@ -188,7 +188,7 @@ class StepTracker:
     @property
     def has_two_batch_sizes(self) -> bool:
         """Whether this stage's steps give the noise scale its second batch size."""
-        return self.noise_scale.b_small < self.plan.global_batch_size
+        return has_two_batch_sizes(self.plan.global_batch_size)
 
     def _record(self, done: int, grad_norm: float | None) -> dict:
         plan = self.plan

@@ -64,6 +64,10 @@ class Setup:
     fused_batch_sharding: jax.sharding.NamedSharding
     step: jax.stages.Wrapped  # jitted (state, batch, hyper) -> (state, metrics), donated state
     eval_step: Callable  # jitted (params, batch) -> metrics
+    # jitted (params, rows) -> |gradient|² of the noise scale's small batch (noise_scale.py),
+    # its rows replicated: a row or two, the same on every device.
+    small_batch_grad_sq: jax.stages.Wrapped
+    small_batch_sharding: jax.sharding.NamedSharding
 
     def hyper(self, plan: BatchPlan, examples: int = 0) -> Hyper:
         """K and the rate of the optimizer step under `plan` that starts at `examples`."""
@@ -136,6 +140,11 @@ def build(
         in_shardings=(state_shardings.params, batch_sharding),
         out_shardings=replicated,
     )
+    small_sq = jax.jit(
+        on_mesh(functools.partial(small_batch_grad_sq, graphdef=graphdef), mesh),
+        in_shardings=(state_shardings.params, replicated),
+        out_shardings=replicated,
+    )
     return Setup(
         graphdef=graphdef,
         tx=tx,
@@ -147,6 +156,8 @@ def build(
         fused_batch_sharding=fused_batch_sharding,
         step=step,
         eval_step=evaluate,
+        small_batch_grad_sq=small_sq,
+        small_batch_sharding=replicated,
     )
 
 
@@ -204,11 +215,20 @@ def train_step(
         "loss": loss,
         "grad_norm": applied_grad_norm(opt_state),
         "nonfinite": (~finite).astype(jnp.int32),  # micro-batches skipped by this call
-        # |gradient|² of this micro-batch (data_parallel × per_device rows): the noise
-        # scale's small-batch gradient, next to the accumulated one behind grad_norm.
-        "small_grad_sq": optax.tree.norm(grads) ** 2,
     }
     return new_state, metrics
+
+
+def small_batch_grad_sq(
+    params: Any, rows: dict[str, jax.Array], *, graphdef: nnx.GraphDef
+) -> jax.Array:
+    """|∇ Σ loss_weights × loss|² over `rows`, whose loss_weights sum to 1: the squared norm
+    of the noise scale's small-batch gradient (noise_scale.py, data.load_small_batch)."""
+
+    def loss_fn(p: Any) -> jax.Array:
+        return weighted_loss(logits_of(nnx.merge(graphdef, p), rows), rows)
+
+    return optax.tree.norm(float32(jax.grad(loss_fn)(params))) ** 2
 
 
 def eval_step(

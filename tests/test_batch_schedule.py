@@ -297,7 +297,8 @@ def test_the_auto_rule_doubles_after_patience_windows_above_the_batch_and_never_
 
 
 def auto(*overrides):
-    # 8 devices × 2 rows: micro-batch 16, K = 2, so the noise scale has two batch sizes.
+    # 8 devices × 2 rows × K = 2 (any K would do: the noise scale's small batch is the
+    # global batch's first row).
     return digits(
         "batch.global_batch_size=32",
         "batch.per_device_batch_size=2",
@@ -355,11 +356,12 @@ def test_a_resumed_auto_run_makes_the_same_decisions(tmp_path):
 
 
 def test_auto_needs_two_batch_sizes_a_maximum_it_can_reach_and_a_length_in_examples():
-    with pytest.raises(BatchPlanError, match="grad_accum_steps >= 2"):
-        schedule_from_config(auto("batch.per_device_batch_size=4"), SHAPE_8)
-    # Fused on several data groups: each group's gradient is the small batch.
-    fused = auto("batch.per_device_batch_size=4", "train.accumulation=fused")
-    assert schedule_from_config(fused, SHAPE_8).first.grad_accum_steps == 1
+    # K = 1 has two batch sizes too: the global batch's first row and the global batch.
+    k1 = schedule_from_config(auto("batch.per_device_batch_size=4"), SHAPE_8)
+    assert k1.first.grad_accum_steps == 1
+    one_row = auto("batch.global_batch_size=1", "batch.per_device_batch_size=1")
+    with pytest.raises(BatchPlanError, match="two batch sizes: the first 1 row"):
+        schedule_from_config(one_row, {"data": 1, "fsdp": 1, "tensor": 1})
     assert schedule_from_config(auto("batch.schedule=AUTO"), SHAPE_8).kind == "auto"
     with pytest.raises(BatchPlanError, match="one of 32, 64, 128"):
         schedule_from_config(auto("batch.max_global_batch_size=100"), SHAPE_8)

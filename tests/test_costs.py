@@ -133,11 +133,11 @@ def test_flops_per_step_are_k_gradients_and_one_update():
     device's micro-batch gradient + one update, both compiled here with plain jax.
 
     The kit's step also does per-micro-step bookkeeping the plain gradient does not
-    (accumulating into MultiSteps' buffer, the gradient's squared norm for the noise scale,
-    the finiteness check, applying a zero update to the params): a few tens of FLOPs per
-    parameter against ~1,600 per parameter for the gradient of 2 × 128 tokens. Measured: the
-    kit's count is 1.3% above the independent one for every K. 2.5% bounds that with a 2x
-    margin, while counting one micro-step per optimizer step (dropping K) is 75% low at K = 4.
+    (accumulating into MultiSteps' buffer, the finiteness check, applying a zero update to
+    the params): a few tens of FLOPs per parameter against ~1,600 per parameter for the
+    gradient of 2 × 128 tokens. Measured: the kit's count is 1.1% above the independent one
+    for every K. 2.5% bounds that with a 2x margin, while counting one micro-step per
+    optimizer step (dropping K) is 75% low at K = 4.
     """
     config = load_config("lm_tiny")
     grad, update = independent_counts(config, rows=2)

@@ -54,14 +54,6 @@ def _arms(
     base = plan_from_config(config, shape)
     g, b = base.global_batch_size, base.per_device_batch_size
     notes: list[str] = []
-    if base.grad_accum_steps < 2 and b % 2 == 0:
-        # The auto ramp reads the noise scale from a micro-batch against the global batch.
-        b //= 2
-        notes.append(
-            f"per-device batch {base.per_device_batch_size} -> {b} for every run, so that "
-            "the small batch accumulates 2 micro-batches and the auto ramp can read the noise "
-            "scale (it needs the gradient at two batch sizes)"
-        )
 
     def variant(**batch: Any) -> ml_collections.ConfigDict:
         c = ml_collections.ConfigDict(config.to_dict())

@@ -25,7 +25,7 @@ from jaxkit.experiments import (
     new_figure,
     train_unit,
 )
-from jaxkit.noise_scale import small_batch_size
+from jaxkit.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
 
 DEFAULT_STEPS = 100
 
@@ -38,15 +38,11 @@ def run(
 ) -> pathlib.Path:
     devices, shape = live_mesh(config)
     plan = plan_from_config(config, shape)
-    fused = config.train.accumulation == "fused"
-    small = small_batch_size(plan, config.train.accumulation)
-    if small >= plan.global_batch_size:
+    if not has_two_batch_sizes(plan.global_batch_size):
         raise ExperimentError(
-            f"the noise scale needs two batch sizes, but the small one ({small} rows: "
-            f"{'one device' if fused else 'one micro-batch'}) is the whole global batch "
-            f"({plan.global_batch_size}). Use grad_accum_steps ≥ 2 (e.g. "
-            f"batch.per_device_batch_size={max(plan.per_device_batch_size // 2, 1)}), or "
-            "train.accumulation=fused on several devices"
+            f"the noise scale needs two batch sizes, but the small one ({SMALL_BATCH_ROWS} "
+            f"row(s)) is the whole global batch ({plan.global_batch_size}): use a larger "
+            "batch.global_batch_size"
         )
     steps = options.steps or DEFAULT_STEPS
     found: dict[str, Any] = {}
@@ -61,8 +57,8 @@ def run(
         report.text(
             f"Config `{config.get('name')}`, plan {plan.data_parallel_size}×"
             f"{plan.per_device_batch_size}×{plan.grad_accum_steps} = global batch "
-            f"{plan.global_batch_size}, {steps} optimizer steps. Small batch: {small} rows "
-            f"({'one device’s share of a micro-batch' if fused else 'one micro-batch'}); "
+            f"{plan.global_batch_size}, {steps} optimizer steps. Small batch: the first "
+            f"{SMALL_BATCH_ROWS} row(s) of each global batch, the same for every split; "
             f"big batch: the {plan.global_batch_size}-row accumulated gradient. Estimates "
             f"smoothed with decay {config.train.noise_scale_decay}."
         )
