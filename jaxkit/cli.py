@@ -978,7 +978,8 @@ def _experiment(
     )
     if opts.rss_points is not None:  # None: the option was not given, the default holds
         options.rss_points = opts.rss_points
-    print(f"experiment {opts.name}: writing {pathlib.Path(out).resolve()}/report.md")
+    # Where the report goes is said by the experiment once every unit has passed its
+    # checks: a refused request writes nothing.
     try:
         path = experiments.run(opts.name, config, pathlib.Path(out), options)
     except experiments.ExperimentError as err:

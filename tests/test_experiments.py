@@ -234,3 +234,36 @@ def test_batch_ramp_runs_four_batches_on_the_same_examples(tmp_path):
     # batch's first row, not a micro-batch), so no run changes the per-device batch.
     assert "auto 32→≤128" in rows and "-> 2 for every run" not in report
     assert (tmp_path / "loss_vs_examples.png").is_file()
+
+
+def test_a_refused_split_leaves_no_out_and_says_nothing_of_a_report(tmp_path, capsys):
+    # 16 devices pass the mesh's shape rules; only training would find 8: refused up front.
+    from jaxkit import cli
+
+    out = tmp_path / "eq"
+    assert (
+        cli.main(
+            ["experiment", "equivalence", "mlp_digits", "--splits", "16x2x1", "--out", str(out)]
+        )
+        == 2
+    )
+    printed, err = capsys.readouterr()
+    assert "report.md" not in printed and not out.exists()
+    assert err.splitlines() == [
+        "jaxkit: error: split 16×2×1 needs 16 devices; 8 are available "
+        "(--host-devices N simulates more on the CPU)"
+    ]
+
+
+def test_a_unit_the_data_cannot_serve_is_refused_before_the_first_trains(tmp_path, monkeypatch):
+    # Per-device batches 1..256 at K = 1: only the last, a global batch of 8 × 256 = 2,048,
+    # exceeds the digits' training rows, and used to be refused after the seven before it.
+    trained = []
+    monkeypatch.setattr(experiments, "train", lambda *a, **k: trained.append(a) or 1 / 0)
+    options = experiments.Options(steps=2, max_per_device_batch=256)
+    with pytest.raises(experiments.ExperimentError) as refused:
+        experiments.run("throughput", _digits(), tmp_path / "t", options, echo=lambda s: None)
+    message = str(refused.value)
+    assert message.startswith("per_device_batch_size=256 grad_accum_steps=1: ")
+    assert "global_batch_size=2048 exceeds the" in message
+    assert trained == [] and not (tmp_path / "t").exists()

@@ -2,13 +2,15 @@
 
 Every experiment writes OUT/report.md with Markdown tables and PNG plots beside it, and
 rewrites the report after each unit of work (a split, a batch size, ...), so Ctrl-C leaves
-a partial report that says how far it got.
+a partial report that says how far it got. Every unit is checked before the first starts
+(`check_units`): a request the kit refuses creates no OUT, whichever unit it concerns.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import pathlib
 import sys
@@ -22,11 +24,15 @@ from etils import epath
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
-from jaxkit.config import ConfigError
+from jaxkit.batch_plan import BatchPlanError
+from jaxkit.batch_schedule import schedule_from_config
+from jaxkit.config import ConfigError, validate
 from jaxkit.costs import split_config
 from jaxkit.loop import RunResult, train
 from jaxkit.models import check_mesh_divides
+from jaxkit.train_step import check_on_mesh
 from jaxkit.workdir import write_text_atomic
 
 U = TypeVar("U")  # one unit of an experiment's work
@@ -89,12 +95,16 @@ def drive(
     do_unit: Callable[[U], None],
     render: Callable[[Report], None],
     what: str,
+    echo: Callable[[str], None] = print,
 ) -> pathlib.Path:
     """Does each unit, re-rendering and rewriting the report after each one.
 
     Ctrl-C (KeyboardInterrupt, or the loop's own SIGINT stop) writes what is done so far,
     marked partial, and raises Interrupted.
     """
+    # Said here, once every unit has passed its checks, not before: a refused request
+    # writes nothing.
+    echo(f"{report.title}: {len(units)} {what}, writing {(report.out / 'report.md').resolve()}")
     done = 0
     bar = tqdm.tqdm(total=len(units), unit=what, file=sys.stderr, dynamic_ncols=True)
     try:
@@ -156,33 +166,34 @@ def parse_splits(text: str) -> list[Split]:
     return splits
 
 
+def unit_config(config: ml_collections.ConfigDict, steps: int) -> ml_collections.ConfigDict:
+    """What `train_unit` trains: `steps` optimizer steps, logging every step, one eval at the
+    end on a single held-out micro-batch (the experiments compare training curves; the eval
+    only keeps the loop's end-of-run contract cheap)."""
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.train.steps, c.train.log_every = steps, 1
+    c.train.eval_every, c.train.eval_examples = 0, 32
+    c.train.profile_steps = ""
+    return c
+
+
 def train_unit(
     config: ml_collections.ConfigDict,
     devices: Sequence[jax.Device],
     steps: int,
     echo: Callable[[str], None] = lambda line: None,
 ) -> RunResult:
-    """Trains `config` for `steps` optimizer steps on `devices`, logging every step.
-
-    Evaluates once at the end on a single held-out micro-batch (the experiments compare
-    training curves; the eval only keeps the loop's end-of-run contract cheap).
-    """
-    c = ml_collections.ConfigDict(config.to_dict())
-    c.train.steps, c.train.log_every = steps, 1
-    c.train.eval_every, c.train.eval_examples = 0, 32
-    c.train.profile_steps = ""
-    result = train(c, None, devices=devices, progress=False, echo=echo)
+    """Trains `unit_config(config, steps)` on `devices`."""
+    result = train(unit_config(config, steps), None, devices=devices, progress=False, echo=echo)
     if result.stopped:
         raise Interrupted
     return result
 
 
-def train_split(
-    config: ml_collections.ConfigDict,
-    split: Split,
-    devices: Sequence[jax.Device],
-    steps: int,
-) -> RunResult:
+def split_unit(
+    config: ml_collections.ConfigDict, split: Split, devices: Sequence[jax.Device]
+) -> tuple[ml_collections.ConfigDict, list[jax.Device]]:
+    """A split's config (its per-device batch, K and mesh) and the devices it runs on."""
     if split.devices > len(devices):
         raise ExperimentError(
             f"split {split.name} needs {split.devices} devices; {len(devices)} are available "
@@ -191,7 +202,54 @@ def train_split(
     c = split_config(config, split.per_device, split.accum)
     shape = split_mesh(config, split)
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape["data"], shape["fsdp"], shape["tensor"]
-    return train_unit(c, devices[: split.devices], steps)
+    return c, list(devices[: split.devices])
+
+
+def train_split(
+    config: ml_collections.ConfigDict,
+    split: Split,
+    devices: Sequence[jax.Device],
+    steps: int,
+) -> RunResult:
+    return train_unit(*split_unit(config, split, devices), steps)
+
+
+def check_splits(
+    config: ml_collections.ConfigDict,
+    splits: Sequence[Split],
+    devices: Sequence[jax.Device],
+    steps: int,
+) -> None:
+    """`check_units` for what `train_split` trains of each split."""
+    units = []
+    for split in splits:
+        c, on = split_unit(config, split, devices)
+        units.append((f"split {split.name}", unit_config(c, steps), on))
+    check_units(units)
+
+
+def check_units(
+    units: Sequence[tuple[str, ml_collections.ConfigDict, Sequence[jax.Device]]],
+) -> None:
+    """Refuses, naming the unit, any `(label, config, devices)` that `train` would refuse
+    at its start: before OUT exists and before anything compiles, rather than after hours
+    of the units before it. Each distinct data section is read once."""
+    sources: dict[str, tuple[data_lib.Source, data_lib.Source]] = {}
+    for label, c, devices in units:
+        try:
+            validate(c)
+            shape = mesh_lib.resolve_mesh_shape(c.mesh.to_dict(), len(devices))
+            check_on_mesh(c, shape)
+            largest = schedule_from_config(c, shape).largest
+            # The sources depend on the data section and the model (its vocabulary).
+            key = json.dumps([c.data.to_dict(), c.model.to_dict()], sort_keys=True, default=str)
+            if key not in sources:
+                sources[key] = data_lib.make_sources(c)
+            train_source, eval_source = sources[key]
+            data_lib.check_sources(train_source, largest)
+            data_lib.check_eval_weight(eval_source, c.train.eval_examples)
+        except (ConfigError, BatchPlanError, mesh_lib.MeshError, data_lib.DataError) as err:
+            raise ExperimentError(f"{label}: {err}") from None
 
 
 def split_mesh(config: ml_collections.ConfigDict, split: Split) -> dict[str, int]:

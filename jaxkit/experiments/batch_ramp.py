@@ -28,6 +28,7 @@ from jaxkit.experiments import (
     Interrupted,
     Options,
     Report,
+    check_units,
     drive,
     live_mesh,
     loss_figures,
@@ -123,6 +124,7 @@ def run(
     arms, notes, small = _arms(config, shape, rule, budget)
     if not arms:
         raise ExperimentError("no run fits the mesh:\n" + "\n".join(notes))
+    check_units([(arm.name, arm.config, devices) for arm in arms])
     runs: dict[str, dict[str, Any]] = {}
 
     def do_unit(arm: Arm) -> None:
@@ -197,4 +199,4 @@ def run(
         loss_figures(report, runs, target)
 
     report = Report(out, "Batch ramp: fixed, scheduled and automatic global batch")
-    return drive(report, arms, do_unit, render, "runs")
+    return drive(report, arms, do_unit, render, "runs", echo)

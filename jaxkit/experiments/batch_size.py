@@ -21,10 +21,12 @@ from jaxkit.experiments import (
     ExperimentError,
     Options,
     Report,
+    check_units,
     drive,
     live_mesh,
     loss_figures,
     train_unit,
+    unit_config,
 )
 
 DEFAULT_STEPS = 40
@@ -80,6 +82,7 @@ def run(
         units.append((g, run_steps, c))
     if not units:
         raise ExperimentError("no global batch size fits the mesh:\n" + "\n".join(skipped))
+    check_units([(f"global batch {g}", unit_config(c, n), devices) for g, n, c in units])
 
     def do_unit(unit: tuple[int, int, ml_collections.ConfigDict]) -> None:
         g, run_steps, c = unit
@@ -129,4 +132,4 @@ def run(
         loss_figures(report, {f"global batch {g}": r for g, r in sorted(runs.items())})
 
     report = Report(out, "Batch size: the same examples at several global batches")
-    return drive(report, units, do_unit, render, "batch sizes")
+    return drive(report, units, do_unit, render, "batch sizes", echo)

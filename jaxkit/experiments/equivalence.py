@@ -21,6 +21,7 @@ from jaxkit.experiments import (
     Options,
     Report,
     Split,
+    check_splits,
     drive,
     new_figure,
     parse_splits,
@@ -60,6 +61,7 @@ def run(
     meshes = {split: split_mesh(config, split) for split in splits}  # all refused up front
     steps = options.steps or DEFAULT_STEPS
     devices = jax.devices()
+    check_splits(config, splits, devices, steps)
     results: dict[Split, dict[str, Any]] = {}
 
     def do_unit(split: Split) -> None:
@@ -143,4 +145,4 @@ def run(
         report.figure(fig, "loss_curves.png", f"Loss curves of every split of {g}, overlaid")
 
     report = Report(out, f"Equivalence: the splits of a global batch of {g}")
-    return drive(report, splits, do_unit, render, "splits")
+    return drive(report, splits, do_unit, render, "splits", echo)

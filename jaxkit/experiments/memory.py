@@ -194,7 +194,7 @@ def run(
             report.text("Resident memory is measured only on CPU under Linux; not here.")
 
     report = Report(out, "Memory: what the micro-batch costs")
-    return drive(report, units, do_unit, render, "compiles/measurements")
+    return drive(report, units, do_unit, render, "compiles/measurements", echo)
 
 
 def supported_rss(devices: list) -> bool:

@@ -20,10 +20,12 @@ from jaxkit.experiments import (
     ExperimentError,
     Options,
     Report,
+    check_units,
     drive,
     live_mesh,
     new_figure,
     train_unit,
+    unit_config,
 )
 from jaxkit.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
 
@@ -45,6 +47,7 @@ def run(
             "batch.global_batch_size"
         )
     steps = options.steps or DEFAULT_STEPS
+    check_units([("the run", unit_config(config, steps), devices)])
     found: dict[str, Any] = {}
 
     def do_unit(unit: str) -> None:
@@ -112,4 +115,4 @@ def run(
                 report.text(f"Training loss went from {losses[0]:.4f} to {losses[-1]:.4f}.")
 
     report = Report(out, "Noise scale: the critical batch size")
-    return drive(report, ["training"], do_unit, render, "run")
+    return drive(report, ["training"], do_unit, render, "run", echo)

@@ -34,6 +34,7 @@ from jaxkit.experiments import (
     Options,
     Report,
     Split,
+    check_splits,
     drive,
     parse_splits,
     split_mesh,
@@ -293,6 +294,7 @@ def run(
     reference = next((s for s in splits if s.accum == 1), splits[0])
     ordered = [reference, *(s for s in splits if s != reference)]
     units = [Unit(s, n) for s in ordered for n in NORMALISATIONS]
+    check_splits(config, splits, devices, steps)  # the normalisation changes no check
     losses: dict[Unit, np.ndarray] = {}
     eval_losses: dict[Unit, float] = {}
 
@@ -374,7 +376,7 @@ def run(
         report.text(f"The numbers, each run's per-step losses included: `{JSON_NAME}`.")
 
     report = Report(out, f"Loss normalisation: exact against naive over splits of {g}")
-    return drive(report, units, do_unit, render, "runs")
+    return drive(report, units, do_unit, render, "runs", echo)
 
 
 def _figure(

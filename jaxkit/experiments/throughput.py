@@ -23,7 +23,16 @@ from matplotlib.figure import Figure
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import LM_KINDS
 from jaxkit.costs import predicted_speed, split_config, with_remat
-from jaxkit.experiments import Options, Report, drive, live_mesh, powers_of_two, train_unit
+from jaxkit.experiments import (
+    Options,
+    Report,
+    check_units,
+    drive,
+    live_mesh,
+    powers_of_two,
+    train_unit,
+    unit_config,
+)
 from jaxkit.layers import REMAT_POLICIES, lm_option
 
 DEFAULT_STEPS = 6
@@ -49,9 +58,20 @@ def run(
     steps = max(options.steps or DEFAULT_STEPS, 2)  # one warm-up step, then timed ones
     rows: dict[Unit, dict[str, Any]] = {}
 
-    def do_unit(unit: Unit) -> None:
+    def unit_of(unit: Unit) -> ml_collections.ConfigDict:
         b, k, remat = unit
-        result = train_unit(split_config(with_remat(config, remat), b, k), devices, steps)
+        return split_config(with_remat(config, remat), b, k)
+
+    def label(unit: Unit) -> str:
+        b, k, remat = unit
+        return f"per_device_batch_size={b} grad_accum_steps={k}" + (
+            f" remat={remat}" if remat is not None else ""
+        )
+
+    check_units([(label(u), unit_config(unit_of(u), steps), devices) for u in units])
+
+    def do_unit(unit: Unit) -> None:
+        result = train_unit(unit_of(unit), devices, steps)
         rows[unit] = {"plan": result.plan, **result.summary}
 
     def render(report: Report) -> None:
@@ -130,7 +150,7 @@ def run(
         report.figure(fig, "throughput.png", "Throughput against per-device batch and accumulation")
 
     report = Report(out, "Throughput: examples/s, tokens/s and time per optimizer step")
-    return drive(report, units, do_unit, render, "runs")
+    return drive(report, units, do_unit, render, "runs", echo)
 
 
 def _ranks(rows: dict[Unit, dict[str, Any]]) -> tuple[dict[Unit, int], dict[Unit, int]]:
