@@ -267,3 +267,35 @@ def test_a_unit_the_data_cannot_serve_is_refused_before_the_first_trains(tmp_pat
     assert message.startswith("per_device_batch_size=256 grad_accum_steps=1: ")
     assert "global_batch_size=2048 exceeds the" in message
     assert trained == [] and not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("why", ["is beyond the sweep", "did not compile"])
+def test_memory_sweeps_accumulation_at_the_largest_batch_the_batch_sweep_found(
+    tmp_path, monkeypatch, why
+):
+    # The config's per-device batch is 4. Either the sweep stops at 2, or a compiler (as a
+    # TPU's does past its HBM) refuses more than 2 rows per device: accumulation is then
+    # compiled at 2, not at a batch that was never found to fit.
+    from jaxkit import costs
+    from jaxkit.experiments import memory
+
+    monkeypatch.setattr(memory, "ACCUM_SWEEP", (1, 2))  # two points make the claim
+    top = 2
+    if why == "did not compile":
+        top, real = 4, costs.step_cost
+
+        def refusing(config, plan, devices):
+            if plan.per_device_batch_size > 2:
+                raise costs.OutOfMemory("RESOURCE_EXHAUSTED: more than 2 rows per device")
+            return real(config, plan, devices)
+
+        monkeypatch.setattr(costs, "step_cost", refusing)
+    options = experiments.Options(max_per_device_batch=top, rss_points=0)
+    report = experiments.run("memory", _digits(), tmp_path, options, echo=lambda s: None)
+    report = report.read_text()
+    assert f"(per_device_batch_size = 2: the config's 4 {why})" in report
+    by_batch = dict((r[0], r[1]) for r in _rows(report, "per_device_batch_size"))
+    by_accum = _rows(report, "grad_accum_steps")
+    assert [r[0] for r in by_accum] == ["1", "2"]
+    # MultiSteps at K = 1 is the batch sweep's own program at 2 rows per device.
+    assert by_accum[0][1] == by_batch["2"]

@@ -49,9 +49,10 @@ def run(
 ) -> pathlib.Path:
     devices, shape = live_mesh(config, options.devices)
     base = plan_from_config(config, shape)
-    top = options.max_per_device_batch or 4 * base.per_device_batch_size
-    batches = powers_of_two(top)
     b0 = base.per_device_batch_size
+    top = options.max_per_device_batch or 4 * b0
+    # The config's own batch is one of the points, where the sweep reaches it.
+    batches = sorted(set(powers_of_two(top)) | ({b0} if b0 <= top else set()))
     units: list[tuple[str, int]] = [("batch", b) for b in batches]
     units += [(mode, k) for mode in ("multisteps", "fused") for k in ACCUM_SWEEP]
     measure = supported_rss(devices)
@@ -69,6 +70,12 @@ def run(
         except costs.OutOfMemory as err:  # a TPU compiler will not compile past its HBM
             refused[unit] = err
 
+    def accum_batch() -> int | None:
+        """The per-device batch of the accumulation sweep: the config's, unless the batch
+        sweep stopped below it (--max-per-device-batch) or the compiler refused it; then
+        the largest below it that compiled (None: none did, and the sweep is skipped)."""
+        return max((b for b in by_batch if b <= b0), default=None)
+
     def cost_unit(unit: tuple[str, int]) -> None:
         kind, n = unit
         if kind == "batch":
@@ -76,8 +83,8 @@ def run(
             by_batch[n] = costs.step_cost(c, plan_from_config(c, shape), devices)
         elif kind == "rss":
             measured[n] = rss.measure_in_subprocess(config.to_dict(), n, devices=1)
-        else:
-            c = costs.split_config(config, b0, n)
+        elif (b := accum_batch()) is not None:  # the batch units ran first
+            c = costs.split_config(config, b, n)
             c.train.accumulation = kind
             by_accum[(kind, n)] = costs.step_cost(c, plan_from_config(c, shape), devices)
 
@@ -137,8 +144,17 @@ def run(
             ax.grid(alpha=0.3)
             ax.legend()
             report.figure(fig, "memory_vs_batch.png", "Memory grows with the per-device batch")
-        if by_accum:
-            report.text(f"## Against accumulation steps (per_device_batch_size = {b0})")
+        swept = accum_batch()
+        if all(("batch", n) in refused for n in batches):
+            report.text("No per-device batch compiled, so accumulation was not compiled either.")
+        if by_accum and swept is not None:
+            why = (
+                ""
+                if swept == b0
+                else f": the config's {b0} "
+                + ("did not compile" if ("batch", b0) in refused else "is beyond the sweep")
+            )
+            report.text(f"## Against accumulation steps (per_device_batch_size = {swept}{why})")
             ks = sorted({k for _, k in by_accum})
             rows = [
                 (
