@@ -8,13 +8,16 @@ and exit status 2, given before JAX compiles or trains anything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import io
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -452,6 +455,25 @@ def _start_jax(host_devices: int | None, cpu_only: bool = False) -> None:
 INTERRUPTED = 130  # the shell's status for a Ctrl-C
 
 
+def _leave_on_ctrl_c(signum: int, frame: object) -> None:
+    """SIGINT before a run trains (the loop takes it over while it trains) or while `plan`
+    compiles: nothing to save, so the process leaves now, with status 130.
+
+    Python's default raises KeyboardInterrupt wherever the interpreter next looks for
+    signals, and that may be inside a garbage-collection callback (jax registers one, to
+    free XLA's buffers), where an exception is printed as "Exception ignored" and dropped:
+    the run then trained on. Whether a Ctrl-C landed there was a matter of timing, not of
+    stdout's buffering (which only moved when a test pressed it); leaving from the handler
+    cannot be dropped.
+    """
+    del signum, frame
+    # The signal may have come in the middle of a write to stdout: flush what can be.
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os.write(2, b"jaxkit: interrupted\n")
+    os._exit(INTERRUPTED)
+
+
 def main(argv: list[str] | None = None) -> int:
     # Each line as it is printed, also into a pipe or a file (`| tee`, a job's log): the
     # plan and the step records should not wait for a block to fill.
@@ -462,11 +484,15 @@ def main(argv: list[str] | None = None) -> int:
     # goes last, so a file there never shadows an installed module.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+    previous = signal.getsignal(signal.SIGINT)
     try:
         code = _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before training started (a run saves on it instead)
+    except KeyboardInterrupt:  # Ctrl-C in an experiment, which writes its partial report
         print("jaxkit: interrupted", file=sys.stderr)
         code = INTERRUPTED
+    finally:  # called in-process (tests, notebooks): the caller's handler comes back
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
     if code == INTERRUPTED:
         # XLA's threads can crash the interpreter's teardown after a Ctrl-C (status 139 or
         # -11 instead of 130): leave now, with what was printed flushed.
@@ -478,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     opts = parse_args(argv)
+    if opts.command in ("train", "plan") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _leave_on_ctrl_c)
     if opts.command == "report":
         return _report(opts)  # reads files only: JAX need not start
     if opts.command == "data":

@@ -227,3 +227,61 @@ def test_sigterm_on_2_then_8_then_8_devices_finishes_every_step_once(tmp_path):
     # test_equivalence): round-off only.
     np.testing.assert_allclose([r["loss"] for r in records], expected, rtol=2e-6)
     assert json.loads((workdir / "summary.json").read_text())["steps"] == steps
+
+
+# `jaxkit train` as the console script runs it, with stdout a file that stays block-buffered
+# (the wrapper is no TextIOWrapper the CLI could make line-buffered), and a Ctrl-C that lands
+# where one did before training: inside a garbage-collection callback, as jax registers one.
+# Python runs a signal's handler at its next check, here right after raise_signal, inside
+# the callback; a KeyboardInterrupt raised there is printed as "Exception ignored" and dropped.
+CTRL_C_INSIDE_GC = r"""
+import gc, signal, sys
+
+from jaxkit import cli
+
+armed = False
+
+
+class Unbuffered:
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        global armed
+        armed = armed or text.startswith("batch plan")  # set up, not yet training
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def ctrl_c(phase, info):
+    global armed
+    if armed:
+        armed = False
+        signal.raise_signal(signal.SIGINT)
+
+
+gc.callbacks.append(ctrl_c)
+sys.stdout = Unbuffered(sys.stdout)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_before_training_exits_130_even_inside_a_gc_callback(tmp_path):
+    workdir = tmp_path / "run"
+    argv = ["train", "mlp_digits", "train.steps=3", "--workdir", str(workdir), "--no-progress"]
+    with open(tmp_path / "stdout", "w") as stdout:
+        done = subprocess.run(
+            [sys.executable, "-c", CTRL_C_INSIDE_GC, *argv],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            timeout=300,
+        )
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stderr.endswith("jaxkit: interrupted\n") and "Exception ignored" not in done.stderr
+    assert "batch plan" in (tmp_path / "stdout").read_text()  # flushed on the way out
+    assert not (workdir / "metrics.jsonl").exists() and not list(workdir.glob("checkpoints/*"))
