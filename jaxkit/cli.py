@@ -112,6 +112,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help=f"simulate N devices on the CPU and run there (default: {DEFAULT_HOST_DEVICES} "
         "CPU devices, used when JAX finds no accelerator)",
     )
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="compile every program afresh: do not read or write the persistent compilation "
+        "cache ($JAXKIT_CACHE_DIR/xla, or JAX_COMPILATION_CACHE_DIR; --target plans: "
+        "$JAXKIT_CACHE_DIR/plans)",
+    )
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -439,17 +446,23 @@ def _load_config(args: list[str]) -> ml_collections.ConfigDict:
     return config
 
 
-def _start_jax(host_devices: int | None, cpu_only: bool = False) -> None:
-    """Sets the device count before JAX starts its backend (it cannot change afterwards).
+def _start_jax(host_devices: int | None, cpu_only: bool = False, cache: bool = True) -> None:
+    """Sets the device count before JAX starts its backend (it cannot change afterwards),
+    and the compilation cache before the first compile.
 
     `cpu_only`: the command compiles for a described TPU slice and needs no live
-    accelerator (nor libtpu's search for one).
+    accelerator (nor libtpu's search for one). Its programs cannot be read back from JAX's
+    cache, so they skip it and use the kit's plan cache instead.
     """
     import jax
+
+    from jaxkit import compile_cache
 
     if host_devices is not None or cpu_only:
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", host_devices or DEFAULT_HOST_DEVICES)
+    compile_cache.enable(cache and not cpu_only)
+    compile_cache.plans_enabled = cache
 
 
 INTERRUPTED = 130  # the shell's status for a Ctrl-C
@@ -524,7 +537,7 @@ def _main(argv: list[str] | None) -> int:
             opts.target = parse_target(target)
         except TargetError as err:
             return _error(err)
-    _start_jax(opts.host_devices, cpu_only=target is not None)
+    _start_jax(opts.host_devices, cpu_only=target is not None, cache=not opts.no_compile_cache)
     if opts.command == "train":
         from jaxkit.distributed import DistributedError, initialize
 

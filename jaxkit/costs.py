@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from jaxkit import compile_cache
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan, divisors
 from jaxkit.batch_schedule import plan_from_config
@@ -95,11 +96,13 @@ class StepCost:
     flops_per_call: float
     calls_per_step: int  # K: micro-steps per optimizer step (see the module docstring)
     update_flops: float  # the inner optimizer's update, which runs once per optimizer step
-    compile_s: float
+    compile_s: float  # the whole wait: tracing, lowering and compiling (or a cache read)
     # One micro-batch's share of the two counts of flops.py: the architecture's (model) and
     # the compiled matmuls, loop bodies times their trips and recomputation included.
     model_flops_per_call: float = 0.0
     hardware_flops_per_call: float = 0.0
+    trace_s: float = 0.0  # tracing and lowering: the part of compile_s no cache skips
+    compile_cache_hit: bool | None = None  # the program came from a cache (None: no cache)
 
     @property
     def memory_bytes(self) -> int:
@@ -137,6 +140,8 @@ class StepCost:
             "model_flops_per_step": self.model_flops_per_step,
             "hardware_flops_per_step": self.hardware_flops_per_step,
             "compile_s": self.compile_s,
+            "trace_s": self.trace_s,
+            "compile_cache_hit": self.compile_cache_hit,
         }
 
 
@@ -210,6 +215,39 @@ class OutOfMemory(Exception):  # noqa: N818 — what the compiler said, not a bu
         self.needed_bytes = int(float(found[1]) * scale[found[2]]) if found else None
 
 
+def _lower(
+    config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup
+) -> tuple[jax.stages.Lowered, Any]:
+    state = abstract_state(setup)
+    batch = abstract_batch(config, plan, setup)
+    return setup.step.lower(state, batch, abstract_hyper(setup)), state
+
+
+def _compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
+    """The program, and whether it came from the persistent compilation cache."""
+    try:
+        with compile_cache.cache_events() as events:
+            compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise OutOfMemory(str(err).splitlines()[0]) from None
+    return compiled, events.hit
+
+
+def _with_flop_counts(
+    cost: StepCost, config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup, hlo: str
+) -> StepCost:
+    # The fused program is a whole optimizer step; its trips were counted.
+    calls = plan.grad_accum_steps if setup.accumulation == "fused" else 1
+    devices = setup.batch_sharding.mesh.size
+    return dataclasses.replace(
+        cost,
+        model_flops_per_call=model_flops_per_example(config) * plan.micro_batch_size / devices,
+        hardware_flops_per_call=hardware_flops(hlo) / calls,
+    )
+
+
 def compile_setup_step(
     config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup
 ) -> tuple[jax.stages.Compiled, StepCost]:
@@ -218,23 +256,67 @@ def compile_setup_step(
     The loop calls the compiled step itself, so a run compiles once and knows its FLOPs.
     """
     start = time.perf_counter()
-    state = abstract_state(setup)
-    try:
-        batch = abstract_batch(config, plan, setup)
-        compiled = setup.step.lower(state, batch, abstract_hyper(setup)).compile()
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        raise OutOfMemory(str(err).splitlines()[0]) from None
+    lowered, state = _lower(config, plan, setup)
+    update = update_flops(setup, state)  # lowered, not compiled: tracing time too
+    trace_s = time.perf_counter() - start
+    compiled, hit = _compile(lowered)
     seconds = time.perf_counter() - start
-    cost = cost_of(compiled, plan.grad_accum_steps, update_flops(setup, state), seconds)
-    # The fused program is a whole optimizer step; its trips were counted.
-    calls = plan.grad_accum_steps if setup.accumulation == "fused" else 1
-    devices = setup.batch_sharding.mesh.size
-    return compiled, dataclasses.replace(
-        cost,
-        model_flops_per_call=model_flops_per_example(config) * plan.micro_batch_size / devices,
-        hardware_flops_per_call=hardware_flops(compiled.as_text() or "") / calls,
+    cost = cost_of(compiled, plan.grad_accum_steps, update, seconds)
+    hit = hit and compile_cache.in_use()
+    cost = dataclasses.replace(cost, trace_s=trace_s, compile_cache_hit=hit)
+    return compiled, _with_flop_counts(cost, config, plan, setup, compiled.as_text() or "")
+
+
+def _described(devices: Sequence[jax.Device]) -> bool:
+    """Chips of a TPU topology compiled for from another machine: no client runs them."""
+    return devices[0].platform not in {d.platform for d in jax.devices()}
+
+
+# What a target plan keeps of each compile: the compiler's figures, not the program.
+_COMPILED_FIELDS = (
+    *("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"),
+    *("flops_per_call", "hardware_flops_per_call"),
+)
+
+
+def _target_step_cost(
+    config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup, devices: Sequence[jax.Device]
+) -> StepCost:
+    """compile_setup_step's cost for a described TPU slice, from the plan cache when this
+    program was compiled for these chips before (see compile_cache)."""
+    start = time.perf_counter()
+    lowered, state = _lower(config, plan, setup)
+    trace_s = time.perf_counter() - start
+    key = compile_cache.plan_key(lowered.as_text(), devices)
+    entry = compile_cache.read_plan(key)
+    hit = entry is not None
+    if entry is None:
+        try:
+            compiled = _compile(lowered)[0]
+        except OutOfMemory as err:
+            compile_cache.write_plan(key, {"out_of_memory": str(err)})
+            raise
+        cost = cost_of(compiled, plan.grad_accum_steps, 0.0, 0.0)
+        cost = _with_flop_counts(cost, config, plan, setup, compiled.as_text() or "")
+        entry = {name: getattr(cost, name) for name in _COMPILED_FIELDS}
+        compile_cache.write_plan(key, entry)
+    if "out_of_memory" in entry:
+        raise OutOfMemory(entry["out_of_memory"])
+    cost = StepCost(
+        argument_bytes=int(entry["argument_bytes"]),
+        output_bytes=int(entry["output_bytes"]),
+        alias_bytes=int(entry["alias_bytes"]),
+        temp_bytes=int(entry["temp_bytes"]),
+        flops_per_call=float(entry["flops_per_call"]),
+        calls_per_step=plan.grad_accum_steps,
+        update_flops=update_flops(setup, state),
+        compile_s=time.perf_counter() - start,
+        trace_s=trace_s,
+        compile_cache_hit=hit,
+    )
+    cost = _with_flop_counts(cost, config, plan, setup, "")
+    return dataclasses.replace(
+        cost, hardware_flops_per_call=float(entry["hardware_flops_per_call"])
     )
 
 
@@ -322,6 +404,8 @@ def step_cost(
 ) -> StepCost:
     """Compiled per-device memory and FLOPs of one optimizer step under `plan` on `devices`."""
     setup = build(config, plan, mesh_lib.make_mesh(config.mesh.to_dict(), devices))
+    if _described(devices):
+        return _target_step_cost(config, plan, setup, devices)
     return compile_setup_step(config, plan, setup)[1]
 
 

@@ -658,8 +658,9 @@ def _finished_run(
         # Unknown, not 0: the run's first step and wall time were never logged, and what
         # this process compiled to rebuild the summary is not the run's compile.
         summary |= {"first_step_s": None, "wall_time_s": None}
-        if "compile_s" in summary:
-            summary["compile_s"] = None
+        for key in ("compile_s", "trace_s", "compile_cache_hit"):
+            if key in summary:
+                summary[key] = None
         if jax.process_index() == 0:
             write_text_atomic(summary_file, json.dumps(summary, indent=2) + "\n")
             echo(f"wrote the missing {summary_file} from metrics.jsonl")

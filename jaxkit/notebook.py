@@ -61,7 +61,10 @@ def start_jax(host_devices: int = HOST_DEVICES) -> str:
     """
     import jax
 
+    from jaxkit import compile_cache
+
     runtime = detect_runtime()
+    compile_cache.enable()  # a rerun cell or a restarted runtime compiles nothing twice
     try:
         if runtime == "cpu":
             jax.config.update("jax_platforms", "cpu")  # no probing for absent plugins

@@ -304,7 +304,9 @@ def summarize(
     if schedule is not None:
         summary["batch_schedule"] = schedule
     if tracker.cost is not None:
-        summary["compile_s"] = tracker.cost.compile_s
+        summary["compile_s"] = tracker.cost.compile_s  # the whole wait for the step program
+        summary["trace_s"] = tracker.cost.trace_s  # of which tracing and lowering
+        summary["compile_cache_hit"] = bool(tracker.cost.compile_cache_hit)
         summary["memory_bytes"] = tracker.cost.memory_bytes  # compiled, per device
     if tracker.peak is not None:
         summary.update(tracker.peak.to_json())
@@ -339,8 +341,9 @@ def format_summary(s: dict) -> str:
         rate = f"{s['examples_per_s']:,.1f} examples/s"
         if "tokens_per_s" in s:
             rate += f", {s['tokens_per_s']:,.0f} tokens/s"
+        cached = " from the compile cache" if s.get("compile_cache_hit") else ""
         compiled = s.get("compile_s")  # None where unknown (a summary rebuilt from the log)
-        compile_s = f"compile {compiled:.1f} s, " if compiled is not None else ""
+        compile_s = f"compile {compiled:.1f} s{cached}, " if compiled is not None else ""
         lines.append(
             f"  median step {s['median_step_time_s'] * 1e3:.1f} ms ({rate}); "
             f"{compile_s}first step {s['first_step_s']:.1f} s"
