@@ -21,7 +21,7 @@ squared norms, and all that is estimated from them, are the same for every split
 round-off, and every step with G > SMALL_BATCH_ROWS gives a sample, whatever its K. The
 micro-batch, which accumulation hands out for free, would not do: its size and rows follow
 the split, and a stage with K = 1 has none. The price is one forward and backward pass over
-SMALL_BATCH_ROWS rows per optimizer step, on every device.
+SMALL_BATCH_ROWS rows per optimizer step, on one device where params are whole on each.
 """
 
 from __future__ import annotations

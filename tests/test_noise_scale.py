@@ -90,11 +90,15 @@ def test_smoothing_is_bias_corrected_and_survives_a_save():
         unbiased_estimates(1.0, 1.0, 32, 32)
 
 
-def test_the_small_batch_is_the_first_row_of_the_global_batch():
+@pytest.mark.parametrize(
+    "mesh", [["mesh.data=-1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]]
+)
+def test_the_small_batch_is_the_first_row_of_the_global_batch(mesh):
     """The noise scale's small batch for the step starting at example 32: the first row of
-    that global batch, its |gradient of the mean loss|² taken here without the kit."""
+    that global batch, its |gradient of the mean loss|² taken here without the kit. On one
+    device's copies where params are whole everywhere, by the mesh where they are sharded."""
     config = load_config("mlp_digits")
-    apply_overrides(config, ["batch.global_batch_size=32", "batch.per_device_batch_size=2"])
+    apply_overrides(config, ["batch.global_batch_size=32", "batch.per_device_batch_size=2", *mesh])
     mesh = mesh_lib.make_mesh(config.mesh.to_dict())
     plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
     setup = build(config, plan, mesh)
