@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import platform
+import sys
 import time
 from collections.abc import Sequence
 
@@ -103,13 +104,22 @@ def cpu_peak(devices: Sequence[jax.Device]) -> Peak:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
+    where = str(path)
     if key not in cached:
         cached[key] = measure_matmul_peak(devices)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file
-    return Peak(float(cached[key]), f"f32 matmul measured on {len(devices)} CPU devices ({path})")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cached, indent=1))
+            tmp.replace(path)  # atomic: a concurrent reader sees the old or the new file
+        except OSError as err:  # a cache that cannot be written costs a measurement, no run
+            where = "not cached"
+            print(
+                f"warning: the measured CPU peak cannot be cached in {path} ({err}); "
+                "it is measured again at each run",
+                file=sys.stderr,
+            )
+    return Peak(float(cached[key]), f"f32 matmul measured on {len(devices)} CPU devices ({where})")
 
 
 def device_peak(devices: Sequence[jax.Device], dtype: str = "float32") -> Peak | None:

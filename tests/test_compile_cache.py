@@ -296,3 +296,19 @@ def test_a_refusal_is_cached_as_a_refusal(monkeypatch, tmp_path):
             costs.step_cost(config, plan, devices)
         assert err.value.needed_bytes == 20 * 2**30  # read back from the cached message
     assert calls == [1]
+
+
+def test_a_cache_directory_that_cannot_be_written_still_measures_the_cpu_peak(
+    monkeypatch, capsys, tmp_path
+):
+    """MFU's CPU peak is cached beside the programs: a cache path that is a file stopped the
+    run with a traceback after the plan, --no-compile-cache or not."""
+    from jaxkit import peak
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("JAXKIT_CACHE_DIR", str(blocker))
+    measured = peak.cpu_peak(jax.devices()[:1])
+    assert measured.flops_per_s > 0 and "not cached" in measured.source
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "cannot be cached" in lines[0]
