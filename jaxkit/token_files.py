@@ -216,6 +216,20 @@ def _expand(path: str) -> list[str]:
                 f"{fmt.META_NAME} names each split's shards and masks: pass "
                 f"data.path={parent} instead"
             )
+        if (
+            not named
+            and _nanogpt_files(parent)
+            and any(
+                f.rsplit("/", 1)[-1] == NANOGPT_FILES[1] and _parent(f) == parent for f in found
+            )
+        ):
+            # Read as one stream, the tail held out would be val.bin's tail only, and the
+            # rest of val.bin would be trained on.
+            raise TokenFileError(
+                f"data.path={path!r} reaches {parent}'s val.bin, the held-out split of "
+                f"nanoGPT's layout: pass data.path={parent} (trains on train.bin, holds out "
+                "val.bin), or name train.bin alone"
+            )
     return found
 
 

@@ -258,6 +258,19 @@ def test_nanogpt_layout_trains_on_train_bin_and_holds_out_val_bin(tmp_path):
     assert "holding out val.bin (data.eval_fraction does not apply)" in train.note
 
 
+def test_a_glob_over_nanogpt_layout_is_refused_naming_the_directory(tmp_path):
+    """`DIR/*.bin` read train.bin and val.bin as one stream: the held-out tail was val.bin's
+    last part and the rest of val.bin was trained on. train.bin named alone is no leak."""
+    (np.arange(900, dtype="<u2") % 251).tofile(tmp_path / "train.bin")
+    (np.arange(300, dtype="<u2") % 251).tofile(tmp_path / "val.bin")
+    for path in (f"{tmp_path}/*.bin", f"{tmp_path}/*", f"{tmp_path}/[tv]*.bin"):
+        with pytest.raises(DataError, match=rf"val\.bin.*pass data\.path={tmp_path} \(trains"):
+            make_sources(lm_config("data.source=tokens", f"data.path={path}"))
+    config = lm_config("data.source=tokens", f"data.path={tmp_path}/train.bin")
+    train, held_out = make_sources(config)
+    assert len(train) + len(held_out) <= (900 - 1) // 8
+
+
 def test_a_glob_into_a_prepared_directory_is_refused_and_side_files_are_no_tokens(tmp_path):
     """Read file by file, a prepared directory would train on its eval shards and drop its
     masks: a glob or a file inside one is refused, naming the directory. Among foreign
