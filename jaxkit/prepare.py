@@ -246,14 +246,19 @@ def _skipped_dir(path: str) -> bool:
 
 
 def _walk(root: Path, prepared: Callable[[str], bool]) -> list[Path]:
-    found = []
-    for parent, dirs, names in os.walk(root):
-        dirs[:] = [
-            d
-            for d in dirs
-            if not _skipped_dir(os.path.join(parent, d))
-            and not prepared(os.path.abspath(os.path.join(parent, d)))
-        ]
+    """Every file under `root`, through symlinked directories too (a corpus is often linked
+    in, and a `**` glob follows them), each real directory once (a link back up would loop)."""
+    found, seen = [], {os.path.realpath(root)}
+    for parent, dirs, names in os.walk(root, followlinks=True):
+        kept = []
+        for d in dirs:
+            path = os.path.join(parent, d)
+            real = os.path.realpath(path)
+            if _skipped_dir(path) or prepared(os.path.abspath(path)) or real in seen:
+                continue
+            seen.add(real)
+            kept.append(d)
+        dirs[:] = kept
         found += [Path(parent, n) for n in names if not n.startswith(".")]
     return sorted(found)
 
@@ -277,6 +282,9 @@ def _open(path: Path) -> io.BufferedIOBase:
 def _reading(path: Path) -> Iterator[None]:
     """A failure to read `path` as one line naming it."""
     try:
+        if _gzipped(path) and path.stat().st_size == 0:
+            # gzip reads an empty file as no data; a download that failed leaves one.
+            raise EOFError("an empty file")
         yield
     except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # EOFError: cut short
         if not _gzipped(path):

@@ -721,7 +721,9 @@ def test_a_damaged_gzip_or_a_gzipped_parquet_is_refused(tmp_path, capsys):
     write_texts(tmp_path / "good", ["one", "two", "three"])
     plain = ["--tokenizer", "bytes", "--out", str(tmp_path / "o"), "--eval-fraction", "0.3"]
     good = str(tmp_path / "good")
+    (tmp_path / "empty.txt.gz").write_bytes(b"")  # what a failed download leaves
     for name, reason in [
+        ("empty.txt.gz", "an empty file"),
         ("cut.jsonl.gz", "end-of-stream marker"),
         ("plain.txt.gz", "Not a gzipped file"),
         ("crc.txt.gz", "CRC check failed"),
@@ -777,3 +779,16 @@ def test_text_that_is_not_utf8_is_refused_by_every_tokenizer(tmp_path, bpe, caps
             "latin1.txt.gz: not UTF-8 text "
             f"(byte 0xef at decompressed offset {len(valid) + first})",
         )
+
+
+def test_symlinked_directories_are_read_as_a_glob_reads_them_and_once(tmp_path):
+    """A corpus linked into the input directory is part of it (a `**` glob followed the link
+    while the directory walk skipped it); a link back up does not loop."""
+    write_texts(tmp_path / "extra", ["four", "five"])
+    write_texts(tmp_path / "corpus", ["one", "two", "three"])
+    (tmp_path / "corpus" / "linked").symlink_to(tmp_path / "extra")
+    (tmp_path / "corpus" / "loop").symlink_to(tmp_path / "corpus")
+    walked = expand_inputs([str(tmp_path / "corpus")])
+    globbed = expand_inputs([str(tmp_path / "corpus" / "linked" / "*")])
+    assert len(walked) == 5 and set(globbed) <= set(walked)
+    assert sorted(p.read_text() for p in walked) == sorted(["one", "two", "three", "four", "five"])
