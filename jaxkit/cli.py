@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -80,6 +81,21 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+MAX_HOST_DEVICES = 1024  # simulated devices share this machine's cores and memory
+
+
+def _host_devices(text: str) -> int:
+    """An argparse type: a simulated device count a machine can hold (100,000 ran out of
+    memory after minutes instead of being refused)."""
+    value = _int_at_least(1)(text)
+    if value > MAX_HOST_DEVICES:
+        raise argparse.ArgumentTypeError(
+            f"{value} simulated devices is more than {MAX_HOST_DEVICES}: they share this "
+            "machine's cores and memory; plan a bigger slice with --target"
+        )
+    return value
+
+
 def _fraction(text: str) -> float:
     """An argparse type: a number strictly between 0 and 1."""
     try:
@@ -94,7 +110,7 @@ def _fraction(text: str) -> float:
 def _directory(text: str) -> str:
     """An argparse type: a path or URL; an empty one would quietly mean the default."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("an empty path; leave the option out for the default")
+        raise argparse.ArgumentTypeError("an empty path: name a directory (or a gs:// URL)")
     return text
 
 
@@ -107,7 +123,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--host-devices",
-        type=_int_at_least(1),
+        type=_host_devices,
         metavar="N",
         help=f"simulate N devices on the CPU and run there (default: {DEFAULT_HOST_DEVICES} "
         "CPU devices, used when JAX finds no accelerator)",
@@ -466,6 +482,7 @@ def _start_jax(host_devices: int | None, cpu_only: bool = False, cache: bool = T
 
 
 INTERRUPTED = 130  # the shell's status for a Ctrl-C
+TERMINATED = 143  # and for SIGTERM (128 + 15)
 
 
 def _leave_on_ctrl_c(signum: int, frame: object) -> None:
@@ -479,10 +496,13 @@ def _leave_on_ctrl_c(signum: int, frame: object) -> None:
     stdout's buffering (which only moved when a test pressed it); leaving from the handler
     cannot be dropped.
     """
-    del signum, frame
+    del frame
     # The signal may have come in the middle of a write to stdout: flush what can be.
     with contextlib.suppress(Exception):
         sys.stdout.flush()
+    if signum == signal.SIGTERM:  # a preemption before training: nothing to save yet
+        os.write(2, b"jaxkit: terminated (SIGTERM) before training started: nothing to save\n")
+        os._exit(TERMINATED)
     os.write(2, b"jaxkit: interrupted\n")
     os._exit(INTERRUPTED)
 
@@ -497,15 +517,17 @@ def main(argv: list[str] | None = None) -> int:
     # goes last, so a file there never shadows an installed module.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = _main(argv)
     except KeyboardInterrupt:  # Ctrl-C in an experiment, which writes its partial report
         print("jaxkit: interrupted", file=sys.stderr)
         code = INTERRUPTED
-    finally:  # called in-process (tests, notebooks): the caller's handler comes back
-        if previous is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, previous)
+    finally:  # called in-process (tests, notebooks): the caller's handlers come back
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in previous.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
     if code == INTERRUPTED:
         # XLA's threads can crash the interpreter's teardown after a Ctrl-C (status 139 or
         # -11 instead of 130): leave now, with what was printed flushed.
@@ -519,6 +541,9 @@ def _main(argv: list[str] | None) -> int:
     opts = parse_args(argv)
     if opts.command in ("train", "plan") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _leave_on_ctrl_c)
+        # SIGTERM's default dumped a native stack trace mid-compile. With several processes
+        # JAX's preemption service takes SIGTERM over when it starts, as it must.
+        signal.signal(signal.SIGTERM, _leave_on_ctrl_c)
     if opts.command == "report":
         return _report(opts)  # reads files only: JAX need not start
     if opts.command == "data":
@@ -759,8 +784,11 @@ def _check_can_write(path: str, flag: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise UsageError(f"{flag} {path}: {probe} is a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag} {path}: {probe} is not writable")
+    try:  # a file made and removed: os.access answers yes to root where writes still fail
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        raise UsageError(f"{flag} {path}: {probe} is not writable ({err.strerror})") from None
 
 
 def _model_json(config: ml_collections.ConfigDict, plan: BatchPlan) -> dict[str, object]:

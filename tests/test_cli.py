@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from jaxkit import cli as cli_lib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -289,6 +291,8 @@ def test_heads_and_uneven_shards_are_refused_before_compiling(tmp_path):
     [
         (["plan", "mlp_digits", "--host-devices", "0"], "--host-devices: must be at least 1"),
         (["plan", "mlp_digits", "--host-devices", "x"], "--host-devices: 'x' is not an integer"),
+        # 100,000 simulated devices ran out of memory after minutes, exit 137
+        (["plan", "mlp_digits", "--host-devices", "100000"], "is more than 1024"),
         (["plan", "mlp_digits", "--memory-budget", "1GiB"], "--memory-budget applies only"),
         (["plan", "mlp_digits", "--device-counts", "4"], "--device-counts applies only"),
         (
@@ -328,6 +332,34 @@ def test_unwritable_output_directories_are_refused_first(tmp_path):
         out = jaxkit(*line)
         _refused(out, f"{blocker} is a file, not a directory")
         assert "workdir:" not in out.stdout  # refused before the run starts
+
+
+def test_a_directory_root_cannot_write_in_is_refused_first(capsys):
+    """os.access says yes to root for /proc, where no file can be made: the run went on to a
+    traceback from orbax's makedirs instead of exit 2."""
+    assert cli_lib.main(["train", "mlp_digits", "--workdir", "/proc/jaxkit-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--workdir /proc/jaxkit-run: /proc is not writable" in err and "Traceback" not in err
+
+
+def test_sigterm_before_training_starts_is_one_line_and_143(tmp_path):
+    """A preemption during the compile dumped a native stack trace (exit 143 all the same)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxkit", "train", "lm_tiny", "--workdir", str(tmp_path / "r")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, JAXKIT_CACHE_DIR=str(tmp_path / "cache")),
+    )
+    for line in proc.stdout:  # the plan is printed, then the step compiles for seconds
+        if line.startswith("batch plan"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (proc.returncode, err[-2000:])
+    assert "terminated (SIGTERM) before training started: nothing to save" in err
+    assert "stack trace" not in err and "Traceback" not in err
 
 
 def test_ctrl_c_before_training_starts_exits_130(tmp_path):
