@@ -342,8 +342,9 @@ def test_a_directory_root_cannot_write_in_is_refused_first(capsys):
     assert "--workdir /proc/jaxkit-run: /proc is not writable" in err and "Traceback" not in err
 
 
-def test_sigterm_before_training_starts_is_one_line_and_143(tmp_path):
-    """A preemption during the compile dumped a native stack trace (exit 143 all the same)."""
+def signal_before_training(tmp_path, sig):
+    """`jaxkit train lm_tiny` sent `sig` once its plan is printed, while its step compiles:
+    (exit status, stderr). The cache is its own and empty, so the compile takes seconds."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxkit", "train", "lm_tiny", "--workdir", str(tmp_path / "r")],
         stdout=subprocess.PIPE,
@@ -352,31 +353,25 @@ def test_sigterm_before_training_starts_is_one_line_and_143(tmp_path):
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT, JAXKIT_CACHE_DIR=str(tmp_path / "cache")),
     )
-    for line in proc.stdout:  # the plan is printed, then the step compiles for seconds
+    for line in proc.stdout:
         if line.startswith("batch plan"):
             break
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, (proc.returncode, err[-2000:])
+    return proc.returncode, err
+
+
+def test_sigterm_before_training_starts_is_one_line_and_143(tmp_path):
+    """A preemption during the compile dumped a native stack trace (exit 143 all the same)."""
+    code, err = signal_before_training(tmp_path, signal.SIGTERM)
+    assert code == 143, (code, err[-2000:])
     assert "terminated (SIGTERM) before training started: nothing to save" in err
     assert "stack trace" not in err and "Traceback" not in err
 
 
 def test_ctrl_c_before_training_starts_exits_130(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxkit", "train", "lm_tiny", "--workdir", str(tmp_path / "r")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-    )
-    for line in proc.stdout:  # the plan is printed, then the step compiles for seconds
-        if line.startswith("batch plan"):
-            break
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    code, err = signal_before_training(tmp_path, signal.SIGINT)
+    assert code == 130, (code, err[-2000:])
     assert "jaxkit: interrupted" in err and "Traceback" not in err
 
 
