@@ -356,6 +356,12 @@ def format_summary(s: dict) -> str:
             f"{s['model_flops_per_step'] / s['median_step_time_s'] / 1e9:,.3g} GFLOP/s "
             f"per device{use}" + (f" of {s['peak_source']}" if "mfu" in s else "")
         )
+        if s.get("hfu", 0) > 1 and "measured on" in s.get("peak_source", ""):
+            # A peak cached while the machine was busier than now reads low ever after.
+            lines.append(
+                "  warning: above 100% of the peak: the CPU peak was cached while this machine "
+                "was busier; delete cpu_peak.json in the cache directory to measure it again"
+            )
     if "param_dtype" in s:
         lines.append(
             f"  params {s['param_count']:,} in {s['param_dtype']}, matmuls in "

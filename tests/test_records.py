@@ -19,6 +19,28 @@ def test_a_held_out_split_of_one_repeated_byte_is_summarised():
     assert "eval loss 0.2500" in text
 
 
+def test_a_cpu_peak_below_what_the_run_achieved_is_called_stale():
+    """A CPU peak cached while the machine was busy reads low ever after: a run printed
+    MFU 126% without a word. Above 100% of a measured peak, the summary says what to do."""
+    summary = {
+        "steps": 3,
+        "wall_time_s": 1.0,
+        "median_step_time_s": 0.5,
+        "examples_per_s": 128.0,
+        "first_step_s": 0.1,
+        "eval_loss": None,
+        "skipped_micro_batches": 0,
+        "model_flops_per_step": 3e9,
+        "hardware_flops_per_step": 3e9,
+        "peak_source": "f32 matmul measured on 8 CPU devices (/c/cpu_peak.json)",
+    }
+    for fraction, stale in ((0.5, False), (1.26, True)):
+        text = format_summary(summary | {"mfu": fraction, "hfu": fraction})
+        assert ("delete cpu_peak.json" in text) is stale, text
+    table = summary | {"mfu": 1.26, "hfu": 1.26, "peak_source": "H100 float32 peak from the table"}
+    assert "delete cpu_peak.json" not in format_summary(table)
+
+
 def _train_cli(tmp_path, docs, *overrides):
     """`jaxkit train` in-process on prepared prompt/completion documents, one per row."""
     from jaxkit import cli
