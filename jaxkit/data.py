@@ -321,24 +321,27 @@ def to_global_array(
     }
 
 
-# The last (source, rows asked for, weight), one tuple replaced whole: the prefetch thread
-# and the loop may both ask, and each reads a key with its own weight. The source itself,
-# not its id, is kept: a new source may take a freed one's id. A step's K micro-steps ask
-# for the same weight K times.
-_last_weight: list[tuple] = [(None, (), 0.0)]
+# The last few (source, rows asked for, weight), the whole tuple replaced at once: the
+# prefetch thread (a step ahead) and the loop (which asks what the step scores) both ask,
+# and with one entry they evicted each other's. Each entry carries its key with its own
+# weight, so a race loses an entry, never mixes one. The source itself, not its id, is
+# kept: a new source may take a freed one's id. A step's K micro-steps ask K times.
+_WEIGHTS_KEPT = 4
+_last_weights: list[tuple] = [()]
 
 
 def step_weight(source: Source, first_example: int, rows: int, seed: int) -> float:
     """Σ weight of stream examples [first_example, first_example + rows): an optimizer
     step's (or a micro-step's) denominator, from per-row sums, the same on every process."""
     key = (first_example, rows, seed)
-    cached_source, cached_key, cached = _last_weight[0]
-    if cached_source is source and cached_key == key:
-        return cached
+    kept = _last_weights[0]
+    for cached_source, cached_key, cached in kept:
+        if cached_source is source and cached_key == key:
+            return cached
     weight = float(
         row_weight_sums(source, stream_rows(first_example, rows, len(source), seed)).sum()
     )
-    _last_weight[0] = (source, key, weight)
+    _last_weights[0] = ((source, key, weight), *kept[: _WEIGHTS_KEPT - 1])
     return weight
 
 
