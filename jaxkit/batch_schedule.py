@@ -32,6 +32,15 @@ _STAGE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kMG]?)\s*(t?)\s*:\s*([0-9]+)\
 _SCALE = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}
 
 
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a run stands: what a checkpoint restores and the next step reads from."""
+
+    step: int = 0  # optimizer steps done
+    examples: int = 0  # examples those steps consumed: where the next step starts reading
+    micro: int = 0  # micro-steps of the next optimizer step already done (mid-step saves)
+
+
 def parse_stages(text: str, seq_len: int | None) -> list[tuple[int, int]]:
     """`"E:G,..."` → [(first example, global batch), ...]; `t` marks a token count."""
     stages: list[tuple[int, int]] = []

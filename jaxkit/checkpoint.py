@@ -37,9 +37,10 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxkit.batch_schedule import Position
 from jaxkit.config import ADDED_DEFAULTS, flatten
-from jaxkit.data import Position
 from jaxkit.layers import LM_DEFAULTS
+from jaxkit.train_step import abstract_state
 from jaxkit.workdir import absolute, missing_gcs_support
 
 # checkpoints/step_N: N optimizer steps done. Older workdirs hold checkpoints/M, M micro-steps.
@@ -328,16 +329,6 @@ def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> 
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
     )
     return restored.state
-
-
-def abstract_state(setup: Any) -> Any:
-    """Shapes, dtypes and target shardings of a fresh train state, nothing allocated."""
-    shapes = jax.eval_shape(setup.init, jax.random.key(0))
-    return jax.tree.map(
-        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-        shapes,
-        setup.state_shardings,
-    )
 
 
 def plans_side_by_side(old: dict, new: dict) -> str:

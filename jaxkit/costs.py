@@ -36,11 +36,10 @@ from jaxkit import compile_cache
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan, divisors
 from jaxkit.batch_schedule import plan_from_config
-from jaxkit.checkpoint import abstract_state
 from jaxkit.config import is_lm
 from jaxkit.flops import hardware_flops, model_flops_per_example
 from jaxkit.optimizer import Hyper
-from jaxkit.train_step import Setup, build
+from jaxkit.train_step import Setup, abstract_state, build
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _UNITS |= {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}

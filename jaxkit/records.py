@@ -16,9 +16,9 @@ import numpy as np
 
 from jaxkit import data as data_lib
 from jaxkit.batch_plan import BatchPlan
+from jaxkit.batch_schedule import Position
 from jaxkit.config import LM_KINDS
 from jaxkit.costs import StepCost
-from jaxkit.data import Position
 from jaxkit.layers import LM_DEFAULTS, lm_option
 from jaxkit.noise_scale import SMALL_BATCH_ROWS, NoiseScale, has_two_batch_sizes
 from jaxkit.peak import Peak

@@ -170,6 +170,16 @@ def build(
     )
 
 
+def abstract_state(setup: Setup) -> TrainState:
+    """Shapes, dtypes and target shardings of a fresh train state, nothing allocated."""
+    shapes = jax.eval_shape(setup.init, jax.random.key(0))
+    return jax.tree.map(
+        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        shapes,
+        setup.state_shardings,
+    )
+
+
 def _on_one_device(fn: Callable, *trees: Any) -> Any:
     """`fn` of fully replicated arrays, run on the first device this process holds, on
     that device's copies (no transfer)."""
