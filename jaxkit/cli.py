@@ -453,7 +453,8 @@ def _split_args(args: list[str]) -> tuple[str, list[str]]:
 
 def _load_config(args: list[str]) -> ml_collections.ConfigDict:
     """CONFIG with its overrides applied and every value checked (before JAX starts)."""
-    from jaxkit.config import apply_overrides, load_config, validate
+    from jaxkit.config import apply_overrides, load_config
+    from jaxkit.validate import validate
 
     name, overrides = _split_args(args)
     config = load_config(name)

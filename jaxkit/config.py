@@ -3,7 +3,7 @@
 A config is a Python file with `get_config()` returning an `ml_collections.ConfigDict`.
 Overrides are `dotted.key=value` strings; `key=null` unsets a value. Unknown keys and
 ill-typed values are errors that name the key and suggest the closest valid one, and
-`validate` checks every value before any work starts.
+`check_values` checks every value (`jaxkit.validate` adds a model of your own's checks).
 """
 
 from __future__ import annotations
@@ -500,9 +500,10 @@ def _check(flat: dict[str, object], rules: dict[str, Rule], needed_by: str | Non
             raise ConfigError(f"{key}={_show(flat[key])}: {problem}")
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
+def check_values(config: ml_collections.ConfigDict) -> None:
     """Checks every value of `config` (base keys and its model kind's); a ConfigError names
-    the first bad key and its constraint."""
+    the first bad key and its constraint. `jaxkit.validate.validate` also builds a model of
+    your own."""
     flat = flatten(config)
     for old in RENAMED:
         if old in flat:
@@ -517,10 +518,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     for rules in SOURCE_RULES.values():  # other sources' keys, where this one reads none
         _check(flat, {k: r for k, r in rules.items() if k not in own}, None)
     _check_relations(flat, kind)
-    if is_custom(kind):
-        from jaxkit import custom_model  # it imports this module
-
-        custom_model.check(config)  # imports and builds it, from shapes alone
 
 
 def _check_relations(flat: dict[str, Any], kind: str) -> None:

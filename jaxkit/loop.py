@@ -29,7 +29,7 @@ from jaxkit import peak as peak_lib
 from jaxkit.batch_plan import BatchPlan, BatchPlanError
 from jaxkit.batch_schedule import AUTO, AutoRamp, BatchSchedule, schedule_from_config
 from jaxkit.checkpoint import Checkpointer, Restored, position_of, resume
-from jaxkit.config import LM_KINDS, ConfigError, config_to_json, parse_profile_steps, validate
+from jaxkit.config import LM_KINDS, ConfigError, config_to_json, parse_profile_steps
 from jaxkit.costs import StepPrograms
 from jaxkit.distributed import check_agreement
 from jaxkit.layers import LM_DEFAULTS, lm_option
@@ -50,6 +50,7 @@ from jaxkit.train_step import (
     build,
     check_on_mesh,
 )
+from jaxkit.validate import validate
 from jaxkit.workdir import as_path, is_local, profiler_can_write, write_text_atomic
 
 

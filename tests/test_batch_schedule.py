@@ -16,8 +16,9 @@ from jaxkit import cli, costs, report
 from jaxkit.batch_plan import BatchPlanError
 from jaxkit.batch_schedule import auto_decision, parse_stages, schedule_from_config
 from jaxkit.checkpoint import CheckpointError
-from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.config import ConfigError, apply_overrides, load_config
 from jaxkit.loop import train
+from jaxkit.validate import validate
 
 SHAPE_8 = {"data": 8, "fsdp": 1, "tensor": 1}
 # mlp_digits on 8 devices × 4 rows: micro-batch 32, so K = 1, 2, 4 over the stages.

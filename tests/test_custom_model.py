@@ -27,12 +27,13 @@ from test_loop import reference as eval_reference
 
 from jaxkit import cli, custom_model
 from jaxkit.batch_schedule import plan_from_config
-from jaxkit.config import ConfigError, apply_overrides, is_lm, load_config, validate
+from jaxkit.config import ConfigError, apply_overrides, is_lm, load_config
 from jaxkit.costs import batch_row_spec
 from jaxkit.data import make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.models import check_mesh_divides
 from jaxkit.train_step import build
+from jaxkit.validate import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIND = "model.kind=mymodel:make"

@@ -11,11 +11,12 @@ from flax import nnx
 
 from jaxkit import costs, llama
 from jaxkit.batch_schedule import plan_from_config
-from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.config import ConfigError, apply_overrides, load_config
 from jaxkit.flops import param_count
 from jaxkit.models import build_model, check_mesh_divides
 from jaxkit.optimizer import decays
 from jaxkit.train_step import abstract_params
+from jaxkit.validate import validate
 
 TINY = [
     "model.d_model=32",

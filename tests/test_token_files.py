@@ -14,9 +14,10 @@ from small_configs import SMALL_LM
 from token_dirs import write_prepared
 
 from jaxkit import token_files
-from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.config import ConfigError, apply_overrides, load_config
 from jaxkit.data import DataError, make_sources
 from jaxkit.models import build_model
+from jaxkit.validate import validate
 
 
 def lm_config(*overrides, name="lm_tiny"):

@@ -1,4 +1,4 @@
-"""config.validate and models.check_mesh_divides: every bad value named before any work."""
+"""validate.validate and models.check_mesh_divides: every bad value named before any work."""
 
 import math
 
@@ -9,9 +9,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxkit import config as config_lib
-from jaxkit.config import ConfigError, apply_overrides, flat_keys, load_config, validate
+from jaxkit.config import ConfigError, apply_overrides, flat_keys, load_config
 from jaxkit.models import check_mesh_divides, sharded_sizes
 from jaxkit.train_step import _abstract_model
+from jaxkit.validate import validate
 
 
 def _refusal(config):

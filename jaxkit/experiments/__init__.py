@@ -28,11 +28,12 @@ from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlanError
 from jaxkit.batch_schedule import schedule_from_config
-from jaxkit.config import ConfigError, validate
+from jaxkit.config import ConfigError
 from jaxkit.costs import split_config
 from jaxkit.loop import RunResult, train
 from jaxkit.models import check_mesh_divides
 from jaxkit.train_step import check_on_mesh
+from jaxkit.validate import validate
 from jaxkit.workdir import write_text_atomic
 
 U = TypeVar("U")  # one unit of an experiment's work
