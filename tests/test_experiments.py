@@ -6,7 +6,7 @@ import pytest
 
 from jaxkit import experiments
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.experiments import equivalence
+from jaxkit.experiments import common, equivalence
 
 
 def _digits(*overrides):
@@ -259,7 +259,7 @@ def test_a_unit_the_data_cannot_serve_is_refused_before_the_first_trains(tmp_pat
     # Per-device batches 1..256 at K = 1: only the last, a global batch of 8 × 256 = 2,048,
     # exceeds the digits' training rows, and used to be refused after the seven before it.
     trained = []
-    monkeypatch.setattr(experiments, "train", lambda *a, **k: trained.append(a) or 1 / 0)
+    monkeypatch.setattr(common, "train", lambda *a, **k: trained.append(a) or 1 / 0)
     options = experiments.Options(steps=2, max_per_device_batch=256)
     with pytest.raises(experiments.ExperimentError) as refused:
         experiments.run("throughput", _digits(), tmp_path / "t", options, echo=lambda s: None)

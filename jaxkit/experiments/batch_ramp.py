@@ -15,23 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 import numpy as np
 
-from jaxkit.batch_plan import LR_SCALINGS, BatchPlanError
+from jaxkit.batch_plan import BatchPlanError
 from jaxkit.batch_schedule import plan_from_config, schedule_from_config
-from jaxkit.experiments import (
+from jaxkit.experiments.common import (
     ExperimentError,
     Interrupted,
-    Options,
     Report,
+    Request,
     check_units,
     drive,
-    live_mesh,
     loss_figures,
+    lr_scaling,
+    preamble,
 )
 from jaxkit.loop import train
 
@@ -105,21 +105,13 @@ def _reached(steps: np.ndarray, loss: np.ndarray, target: float, window: int) ->
     return None
 
 
-def run(
-    config: ml_collections.ConfigDict,
-    out: pathlib.Path,
-    options: Options,
-    echo: Callable[[str], None],
-) -> pathlib.Path:
-    devices, shape = live_mesh(config, options.devices)
-    rule = options.lr_scaling or config.optimizer.lr_scaling
-    if rule not in LR_SCALINGS:
-        raise ExperimentError(f"--lr-scaling={rule!r} is not one of {', '.join(LR_SCALINGS)}")
-    base = plan_from_config(config, shape)
+def run(request: Request) -> pathlib.Path:
+    config = request.config
+    devices, shape, base, steps = preamble(request, DEFAULT_STEPS)
+    rule = lr_scaling(request)
     # The examples every run sees: --steps of the small batch, rounded up to whole steps of
     # every stage (a multiple of 8 small steps), so no run stops part-way into a batch.
     unit = 2 * LARGEST * base.global_batch_size
-    steps = options.steps or DEFAULT_STEPS
     budget = -(-steps * base.global_batch_size // unit) * unit
     arms, notes, small = _arms(config, shape, rule, budget)
     if not arms:
@@ -198,5 +190,5 @@ def run(
         )
         loss_figures(report, runs, target)
 
-    report = Report(out, "Batch ramp: fixed, scheduled and automatic global batch")
-    return drive(report, arms, do_unit, render, "runs", echo)
+    report = Report(request.out, "Batch ramp: fixed, scheduled and automatic global batch")
+    return drive(report, arms, do_unit, render, "runs", request.echo)

@@ -9,22 +9,22 @@ the same fraction of each run. Plotted against examples seen and against optimiz
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 import numpy as np
 
-from jaxkit.batch_plan import LR_SCALINGS, BatchPlanError
+from jaxkit.batch_plan import BatchPlanError
 from jaxkit.batch_schedule import plan_from_config
-from jaxkit.experiments import (
+from jaxkit.experiments.common import (
     ExperimentError,
-    Options,
     Report,
+    Request,
     check_units,
     drive,
-    live_mesh,
     loss_figures,
+    lr_scaling,
+    preamble,
     train_unit,
     unit_config,
 )
@@ -46,18 +46,10 @@ def _sizes(text: str | None, base: int) -> list[int]:
     return sizes
 
 
-def run(
-    config: ml_collections.ConfigDict,
-    out: pathlib.Path,
-    options: Options,
-    echo: Callable[[str], None],
-) -> pathlib.Path:
-    devices, shape = live_mesh(config)
-    base = plan_from_config(config, shape)
-    rule = options.lr_scaling or config.optimizer.lr_scaling
-    if rule not in LR_SCALINGS:
-        raise ExperimentError(f"--lr-scaling={rule!r} is not one of {', '.join(LR_SCALINGS)}")
-    steps = options.steps or DEFAULT_STEPS
+def run(request: Request) -> pathlib.Path:
+    config, options = request.config, request.options
+    devices, shape, base, steps = preamble(request, DEFAULT_STEPS)
+    rule = lr_scaling(request)
     budget = steps * base.global_batch_size  # examples every run sees
     runs: dict[int, dict[str, Any]] = {}
     skipped: list[str] = []
@@ -131,5 +123,5 @@ def run(
         )
         loss_figures(report, {f"global batch {g}": r for g, r in sorted(runs.items())})
 
-    report = Report(out, "Batch size: the same examples at several global batches")
-    return drive(report, units, do_unit, render, "batch sizes", echo)
+    report = Report(request.out, "Batch size: the same examples at several global batches")
+    return drive(report, units, do_unit, render, "batch sizes", request.echo)

@@ -7,24 +7,23 @@ global batch G the same pattern, 1×G×1, 4×G/4×1, 2×G/4×2, 1×G/4×4.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
-from jaxkit.batch_schedule import plan_from_config
 from jaxkit.costs import format_bytes
-from jaxkit.experiments import (
+from jaxkit.experiments.common import (
     ExperimentError,
-    Options,
     Report,
+    Request,
     Split,
+    check_global_batch,
     check_splits,
     drive,
     new_figure,
     parse_splits,
+    preamble,
     split_mesh,
     train_split,
 )
@@ -44,23 +43,14 @@ def default_splits(global_batch: int) -> list[Split]:
     return [Split(1, global_batch, 1), Split(4, q, 1), Split(2, q, 2), Split(1, q, 4)]
 
 
-def run(
-    config: ml_collections.ConfigDict,
-    out: pathlib.Path,
-    options: Options,
-    echo: Callable[[str], None],
-) -> pathlib.Path:
-    g = plan_from_config(config, {"data": 1, "fsdp": 1, "tensor": 1}).global_batch_size
+def run(request: Request) -> pathlib.Path:
+    config, options, echo = request.config, request.options, request.echo
+    devices, _, plan, steps = preamble(request, DEFAULT_STEPS, own_meshes=True)
+    g = plan.global_batch_size
     splits = default_splits(g) if options.splits is None else parse_splits(options.splits)
     for split in splits:
-        if split.devices * split.per_device * split.accum != g:
-            raise ExperimentError(
-                f"split {split.name} makes a global batch of "
-                f"{split.devices * split.per_device * split.accum}, not the config's {g}"
-            )
+        check_global_batch(split, g)
     meshes = {split: split_mesh(config, split) for split in splits}  # all refused up front
-    steps = options.steps or DEFAULT_STEPS
-    devices = jax.devices()
     check_splits(config, splits, devices, steps)
     results: dict[Split, dict[str, Any]] = {}
 
@@ -144,5 +134,5 @@ def run(
         ax.grid(alpha=0.3)
         report.figure(fig, "loss_curves.png", f"Loss curves of every split of {g}, overlaid")
 
-    report = Report(out, f"Equivalence: the splits of a global batch of {g}")
+    report = Report(request.out, f"Equivalence: the splits of a global batch of {g}")
     return drive(report, splits, do_unit, render, "splits", echo)

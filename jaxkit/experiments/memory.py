@@ -10,7 +10,6 @@ growth in a fresh process, next to the estimate.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable
 
 import ml_collections
 import numpy as np
@@ -18,9 +17,8 @@ import numpy as np
 from jaxkit import costs, rss
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_schedule import plan_from_config
-from jaxkit.checkpoint import abstract_state
-from jaxkit.experiments import Options, Report, drive, live_mesh, new_figure, powers_of_two
-from jaxkit.train_step import build
+from jaxkit.experiments.common import Report, Request, drive, new_figure, powers_of_two, preamble
+from jaxkit.train_step import abstract_state, build
 from jaxkit.viz import bytes_per_device
 
 ACCUM_SWEEP = (1, 2, 4, 8)
@@ -41,14 +39,9 @@ def state_breakdown(config: ml_collections.ConfigDict, devices: list) -> list[tu
     ]
 
 
-def run(
-    config: ml_collections.ConfigDict,
-    out: pathlib.Path,
-    options: Options,
-    echo: Callable[[str], None],
-) -> pathlib.Path:
-    devices, shape = live_mesh(config, options.devices)
-    base = plan_from_config(config, shape)
+def run(request: Request) -> pathlib.Path:
+    config, options = request.config, request.options
+    devices, shape, base, _ = preamble(request)  # it compiles, trains nothing: no steps
     b0 = base.per_device_batch_size
     top = options.max_per_device_batch or 4 * b0
     # The config's own batch is one of the points, where the sweep reaches it.
@@ -209,8 +202,8 @@ def run(
         elif not measure:
             report.text("Resident memory is measured only on CPU under Linux; not here.")
 
-    report = Report(out, "Memory: what the micro-batch costs")
-    return drive(report, units, do_unit, render, "compiles/measurements", echo)
+    report = Report(request.out, "Memory: what the micro-batch costs")
+    return drive(report, units, do_unit, render, "compiles/measurements", request.echo)
 
 
 def supported_rss(devices: list) -> bool:

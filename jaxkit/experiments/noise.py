@@ -10,20 +10,16 @@ examples (McCandlish et al. 2018).
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
-import ml_collections
-
-from jaxkit.batch_schedule import plan_from_config
-from jaxkit.experiments import (
+from jaxkit.experiments.common import (
     ExperimentError,
-    Options,
     Report,
+    Request,
     check_units,
     drive,
-    live_mesh,
     new_figure,
+    preamble,
     train_unit,
     unit_config,
 )
@@ -32,21 +28,15 @@ from jaxkit.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
 DEFAULT_STEPS = 100
 
 
-def run(
-    config: ml_collections.ConfigDict,
-    out: pathlib.Path,
-    options: Options,
-    echo: Callable[[str], None],
-) -> pathlib.Path:
-    devices, shape = live_mesh(config)
-    plan = plan_from_config(config, shape)
+def run(request: Request) -> pathlib.Path:
+    config = request.config
+    devices, _, plan, steps = preamble(request, DEFAULT_STEPS)
     if not has_two_batch_sizes(plan.global_batch_size):
         raise ExperimentError(
             f"the noise scale needs two batch sizes, but the small one ({SMALL_BATCH_ROWS} "
             f"row(s)) is the whole global batch ({plan.global_batch_size}): use a larger "
             "batch.global_batch_size"
         )
-    steps = options.steps or DEFAULT_STEPS
     check_units([("the run", unit_config(config, steps), devices)])
     found: dict[str, Any] = {}
 
@@ -114,5 +104,5 @@ def run(
             if losses:
                 report.text(f"Training loss went from {losses[0]:.4f} to {losses[-1]:.4f}.")
 
-    report = Report(out, "Noise scale: the critical batch size")
-    return drive(report, ["training"], do_unit, render, "run", echo)
+    report = Report(request.out, "Noise scale: the critical batch size")
+    return drive(report, ["training"], do_unit, render, "run", request.echo)

@@ -17,26 +17,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import jax
 import ml_collections
 import numpy as np
 from etils import epath
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from jaxkit.batch_schedule import plan_from_config
 from jaxkit.data import NORMALISATIONS, make_sources, row_weight_sums, stream_rows
-from jaxkit.experiments import (
+from jaxkit.experiments.common import (
     ExperimentError,
-    Options,
     Report,
+    Request,
     Split,
+    check_global_batch,
     check_splits,
     drive,
     parse_splits,
+    preamble,
     split_mesh,
     train_split,
 )
@@ -261,23 +261,15 @@ def verdict(numbers: dict[str, Any], splits: Sequence[Split], weights: np.ndarra
     )
 
 
-def run(
-    config: ml_collections.ConfigDict,
-    out: pathlib.Path,
-    options: Options,
-    echo: Callable[[str], None],
-) -> pathlib.Path:
-    devices = list(options.devices or jax.devices())
-    g = plan_from_config(config, {"data": 1, "fsdp": 1, "tensor": 1}).global_batch_size
+def run(request: Request) -> pathlib.Path:
+    config, options, echo = request.config, request.options, request.echo
+    devices, _, plan, steps = preamble(request, DEFAULT_STEPS, own_meshes=True)
+    g = plan.global_batch_size
     splits = (
         default_splits(g, len(devices)) if options.splits is None else parse_splits(options.splits)
     )
     for split in splits:
-        if split.devices * split.per_device * split.accum != g:
-            raise ExperimentError(
-                f"split {split.name} makes a global batch of "
-                f"{split.devices * split.per_device * split.accum}, not the config's {g}"
-            )
+        check_global_batch(split, g)
         if split.devices > len(devices):
             raise ExperimentError(
                 f"split {split.name} needs {split.devices} devices; {len(devices)} are "
@@ -287,7 +279,6 @@ def run(
         raise ExperimentError("--splits: a split is given twice")
     for split in splits:  # all refused before any training
         split_mesh(config, split)
-    steps = options.steps or DEFAULT_STEPS
     weights = trained_row_weights(config, steps, g)
     # The reference, the exact run at K = 1 (or of the first split), trains first: every
     # partial report then measures against the same curve.
@@ -375,7 +366,7 @@ def run(
         write_text_atomic(path, json.dumps(numbers, indent=1) + "\n")
         report.text(f"The numbers, each run's per-step losses included: `{JSON_NAME}`.")
 
-    report = Report(out, f"Loss normalisation: exact against naive over splits of {g}")
+    report = Report(request.out, f"Loss normalisation: exact against naive over splits of {g}")
     return drive(report, units, do_unit, render, "runs", echo)
 
 

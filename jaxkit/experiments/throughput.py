@@ -14,22 +14,20 @@ FLOP/s, so a reader sees where the prediction holds on this hardware.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 from matplotlib.figure import Figure
 
-from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import LM_KINDS
 from jaxkit.costs import predicted_speed, split_config, with_remat
-from jaxkit.experiments import (
-    Options,
+from jaxkit.experiments.common import (
     Report,
+    Request,
     check_units,
     drive,
-    live_mesh,
     powers_of_two,
+    preamble,
     train_unit,
     unit_config,
 )
@@ -40,14 +38,10 @@ ACCUM_SWEEP = (1, 2, 4, 8)
 Unit = tuple[int, int, str | None]  # per-device batch, K, remat policy (None: no remat key)
 
 
-def run(
-    config: ml_collections.ConfigDict,
-    out: pathlib.Path,
-    options: Options,
-    echo: Callable[[str], None],
-) -> pathlib.Path:
-    devices, shape = live_mesh(config)
-    b0 = plan_from_config(config, shape).per_device_batch_size
+def run(request: Request) -> pathlib.Path:
+    config, options = request.config, request.options
+    devices, shape, plan, steps = preamble(request, DEFAULT_STEPS)
+    b0 = plan.per_device_batch_size
     top = options.max_per_device_batch or 4 * b0
     batches = powers_of_two(top)
     own = lm_option(config.model, "remat") if config.model.kind in LM_KINDS else None
@@ -55,7 +49,7 @@ def run(
     units += [(b0, k, own) for k in ACCUM_SWEEP if k > 1]
     if own is not None:  # each policy at the configured batch, K = 1
         units += [(b0, 1, r) for r in REMAT_POLICIES if (b0, 1, r) not in units]
-    steps = max(options.steps or DEFAULT_STEPS, 2)  # one warm-up step, then timed ones
+    steps = max(steps, 2)  # one warm-up step, then timed ones
     rows: dict[Unit, dict[str, Any]] = {}
 
     def unit_of(unit: Unit) -> ml_collections.ConfigDict:
@@ -149,8 +143,8 @@ def run(
             right.grid(alpha=0.3)
         report.figure(fig, "throughput.png", "Throughput against per-device batch and accumulation")
 
-    report = Report(out, "Throughput: examples/s, tokens/s and time per optimizer step")
-    return drive(report, units, do_unit, render, "runs", echo)
+    report = Report(request.out, "Throughput: examples/s, tokens/s and time per optimizer step")
+    return drive(report, units, do_unit, render, "runs", request.echo)
 
 
 def _ranks(rows: dict[Unit, dict[str, Any]]) -> tuple[dict[Unit, int], dict[Unit, int]]:

@@ -1,0 +1,358 @@
+"""What the experiments share: the request and its preamble (devices, mesh, plan, steps), the
+checks every unit passes before the first starts, training a unit or a split, and the report
+rewritten after each unit. The experiments import this module; `jaxkit.experiments` imports
+them, and nothing here imports it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+import jax
+import ml_collections
+import tqdm
+from etils import epath
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from jaxkit import data as data_lib
+from jaxkit import mesh as mesh_lib
+from jaxkit.batch_plan import LR_SCALINGS, BatchPlan, BatchPlanError
+from jaxkit.batch_schedule import plan_from_config, schedule_from_config
+from jaxkit.config import ConfigError
+from jaxkit.costs import split_config
+from jaxkit.loop import RunResult, train
+from jaxkit.models import check_mesh_divides
+from jaxkit.train_step import check_on_mesh
+from jaxkit.validate import validate
+from jaxkit.workdir import write_text_atomic
+
+U = TypeVar("U")  # one unit of an experiment's work
+
+
+class ExperimentError(ValueError):
+    """An experiment that cannot run as asked."""
+
+
+class Interrupted(Exception):  # noqa: N818 — it is what happened, not a failure
+    """Ctrl-C (or SIGTERM) during an experiment: the report so far is written and marked."""
+
+
+@dataclasses.dataclass
+class Options:
+    """What the experiment commands take besides the config."""
+
+    steps: int | None = None  # optimizer steps per training unit (each has its default)
+    splits: str | None = None  # equivalence, normalisation: "DxBxK,..." D × per-device × K
+    global_batch_sizes: str | None = None  # batch-size: "16,32,64"
+    lr_scaling: str | None = None  # batch-size: none | linear | sqrt
+    max_per_device_batch: int | None = None  # memory/throughput: the largest batch swept
+    rss_points: int = 3  # memory: measured resident-memory points (CPU, Linux)
+    devices: Sequence[jax.Device] | None = None  # default: the live ones
+    target: str | None = None  # memory: the described TPU slice `devices` are, in words
+
+
+class Report:
+    """A Markdown report with PNG figures, rewritten whole after every unit of work."""
+
+    def __init__(self, out: pathlib.Path, title: str):
+        self.out, self.title = out, title
+        out.mkdir(parents=True, exist_ok=True)
+        self.blocks: list[str] = []
+        self.started = datetime.datetime.now().isoformat(timespec="seconds")
+
+    def text(self, markdown: str) -> None:
+        self.blocks.append(markdown.strip())
+
+    def table(self, header: Sequence[object], rows: Sequence[Sequence[object]]) -> None:
+        self.blocks.append(markdown_table(header, rows))
+
+    def figure(self, fig: Figure, name: str, caption: str) -> None:
+        fig.savefig(self.out / name, dpi=110, bbox_inches="tight")
+        self.blocks.append(f"![{caption}]({name})\n\n*{caption}*")
+
+    def write(self, status: str | None = None) -> pathlib.Path:
+        """Writes report.md; `status` (e.g. partial) goes at the top in bold."""
+        head = [f"# {self.title}", f"Started {self.started}."]
+        if status:
+            head.append(f"**{status}**")
+        path = self.out / "report.md"
+        write_text_atomic(epath.Path(path), "\n\n".join(head + self.blocks) + "\n")
+        return path
+
+
+def drive(
+    report: Report,
+    units: Sequence[U],
+    do_unit: Callable[[U], None],
+    render: Callable[[Report], None],
+    what: str,
+    echo: Callable[[str], None] = print,
+) -> pathlib.Path:
+    """Does each unit, re-rendering and rewriting the report after each one.
+
+    Ctrl-C (KeyboardInterrupt, or the loop's own SIGINT stop) writes what is done so far,
+    marked partial, and raises Interrupted.
+    """
+    # Said here, once every unit has passed its checks, not before: a refused request
+    # writes nothing.
+    echo(f"{report.title}: {len(units)} {what}, writing {(report.out / 'report.md').resolve()}")
+    done = 0
+    bar = tqdm.tqdm(total=len(units), unit=what, file=sys.stderr, dynamic_ncols=True)
+    try:
+        for unit in units:
+            bar.set_postfix_str(str(unit))
+            do_unit(unit)
+            done += 1
+            bar.update(1)
+            report.blocks = []
+            render(report)
+            if done < len(units):
+                report.write(f"Partial report: {done} of {len(units)} {what} done, still running.")
+    except (KeyboardInterrupt, Interrupted):
+        report.blocks = []
+        render(report)
+        report.write(
+            f"Partial report: interrupted after {done} of {len(units)} {what}; "
+            "the figures below cover only those."
+        )
+        raise Interrupted from None
+    finally:
+        bar.close()
+    return report.write()
+
+
+def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(str(h) for h in header) + " |"]
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """devices × per_device_batch_size × grad_accum_steps, as the seeds write it."""
+
+    devices: int
+    per_device: int
+    accum: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.devices}×{self.per_device}×{self.accum}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def check_global_batch(split: Split, global_batch: int) -> None:
+    """Refuses a split whose devices × per-device batch × K is not `global_batch`."""
+    made = split.devices * split.per_device * split.accum
+    if made != global_batch:
+        raise ExperimentError(
+            f"split {split.name} makes a global batch of {made}, not the config's {global_batch}"
+        )
+
+
+def parse_splits(text: str) -> list[Split]:
+    splits = []
+    for part in text.split(","):
+        try:
+            d, b, k = (int(x) for x in part.lower().replace("×", "x").split("x"))
+        except ValueError:
+            raise ExperimentError(
+                f"--splits: {part!r} is not DEVICESxPER_DEVICExACCUM (e.g. 4x8x1)"
+            ) from None
+        splits.append(Split(d, b, k))
+    return splits
+
+
+def unit_config(config: ml_collections.ConfigDict, steps: int) -> ml_collections.ConfigDict:
+    """What `train_unit` trains: `steps` optimizer steps, logging every step, one eval at the
+    end on a single held-out micro-batch (the experiments compare training curves; the eval
+    only keeps the loop's end-of-run contract cheap)."""
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.train.steps, c.train.log_every = steps, 1
+    c.train.eval_every, c.train.eval_examples = 0, 32
+    c.train.profile_steps = ""
+    return c
+
+
+def train_unit(
+    config: ml_collections.ConfigDict,
+    devices: Sequence[jax.Device],
+    steps: int,
+    echo: Callable[[str], None] = lambda line: None,
+) -> RunResult:
+    """Trains `unit_config(config, steps)` on `devices`."""
+    result = train(unit_config(config, steps), None, devices=devices, progress=False, echo=echo)
+    if result.stopped:
+        raise Interrupted
+    return result
+
+
+def split_unit(
+    config: ml_collections.ConfigDict, split: Split, devices: Sequence[jax.Device]
+) -> tuple[ml_collections.ConfigDict, list[jax.Device]]:
+    """A split's config (its per-device batch, K and mesh) and the devices it runs on."""
+    if split.devices > len(devices):
+        raise ExperimentError(
+            f"split {split.name} needs {split.devices} devices; {len(devices)} are available "
+            "(--host-devices N simulates more on the CPU)"
+        )
+    c = split_config(config, split.per_device, split.accum)
+    shape = split_mesh(config, split)
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape["data"], shape["fsdp"], shape["tensor"]
+    return c, list(devices[: split.devices])
+
+
+def train_split(
+    config: ml_collections.ConfigDict,
+    split: Split,
+    devices: Sequence[jax.Device],
+    steps: int,
+) -> RunResult:
+    return train_unit(*split_unit(config, split, devices), steps)
+
+
+def check_splits(
+    config: ml_collections.ConfigDict,
+    splits: Sequence[Split],
+    devices: Sequence[jax.Device],
+    steps: int,
+) -> None:
+    """`check_units` for what `train_split` trains of each split."""
+    units = []
+    for split in splits:
+        c, on = split_unit(config, split, devices)
+        units.append((f"split {split.name}", unit_config(c, steps), on))
+    check_units(units)
+
+
+def check_units(
+    units: Sequence[tuple[str, ml_collections.ConfigDict, Sequence[jax.Device]]],
+) -> None:
+    """Refuses, naming the unit, any `(label, config, devices)` that `train` would refuse
+    at its start: before OUT exists and before anything compiles, rather than after hours
+    of the units before it. Each distinct data section is read once."""
+    sources: dict[str, tuple[data_lib.Source, data_lib.Source]] = {}
+    for label, c, devices in units:
+        try:
+            validate(c)
+            shape = mesh_lib.resolve_mesh_shape(c.mesh.to_dict(), len(devices))
+            check_on_mesh(c, shape)
+            largest = schedule_from_config(c, shape).largest
+            # The sources depend on the data section and the model (its vocabulary).
+            key = json.dumps([c.data.to_dict(), c.model.to_dict()], sort_keys=True, default=str)
+            if key not in sources:
+                sources[key] = data_lib.make_sources(c)
+            train_source, eval_source = sources[key]
+            data_lib.check_sources(train_source, largest)
+            data_lib.check_eval_weight(eval_source, c.train.eval_examples)
+        except (ConfigError, BatchPlanError, mesh_lib.MeshError, data_lib.DataError) as err:
+            raise ExperimentError(f"{label}: {err}") from None
+
+
+def split_mesh(config: ml_collections.ConfigDict, split: Split) -> dict[str, int]:
+    """The config's mesh on a split's devices, every one of them a data-parallel rank (the
+    seeds' D × B × K is the global batch): data × fsdp, as the config divides them."""
+    try:
+        shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), split.devices)
+    except mesh_lib.MeshError as err:
+        raise ExperimentError(f"split {split.name}: {err}") from None
+    if shape["tensor"] != 1:
+        raise ExperimentError(
+            f"split {split.name}: a split's {split.devices} devices are its data-parallel "
+            f"ranks (devices × per-device batch × accumulation = the global batch), but "
+            f"mesh.tensor={shape['tensor']} would give several of them the same rows; use "
+            "mesh.tensor=1 (data and fsdp both split the batch)"
+        )
+    try:
+        check_mesh_divides(config, shape)
+    except ConfigError as err:
+        raise ExperimentError(f"split {split.name}: {err}") from None
+    return shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One experiment as the command asked for it: what each experiment's `run` takes."""
+
+    config: ml_collections.ConfigDict
+    out: pathlib.Path  # where report.md and its figures go
+    options: Options
+    echo: Callable[[str], None] = print  # progress lines
+
+
+class Preamble(NamedTuple):
+    """Where every experiment starts."""
+
+    devices: list[jax.Device]  # Options.devices, by default the live ones
+    shape: dict[str, int]  # the config's mesh on them (one device: see `preamble`)
+    plan: BatchPlan  # the config's batch plan on that mesh, its K included
+    steps: int  # optimizer steps per training unit: --steps, or the experiment's default
+
+
+ONE_DEVICE = {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+def preamble(request: Request, default_steps: int = 0, *, own_meshes: bool = False) -> Preamble:
+    """The devices, the config's mesh and batch plan on them, and the steps of each unit.
+
+    `own_meshes`: each unit brings its mesh (a split's devices), so the config's own mesh
+    is not asked for; the plan is taken on one device, for the global batch alone.
+    """
+    config, options = request.config, request.options
+    devices = list(jax.devices() if options.devices is None else options.devices)
+    shape = (
+        ONE_DEVICE
+        if own_meshes
+        else mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    )
+    return Preamble(devices, shape, plan_from_config(config, shape), options.steps or default_steps)
+
+
+def lr_scaling(request: Request) -> str:
+    """--lr-scaling, else the config's optimizer.lr_scaling: the rule a run's rate follows."""
+    rule = request.options.lr_scaling or request.config.optimizer.lr_scaling
+    if rule not in LR_SCALINGS:
+        raise ExperimentError(f"--lr-scaling={rule!r} is not one of {', '.join(LR_SCALINGS)}")
+    return str(rule)
+
+
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to `limit`: the per-device batches a sweep tries."""
+    return [2**i for i in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+def new_figure() -> tuple[Figure, Axes]:
+    fig = Figure(figsize=(7, 4.2))
+    return fig, fig.subplots()
+
+
+def loss_figures(report: Report, curves: dict[str, dict], target: float | None = None) -> None:
+    """Loss against examples seen and against optimizer steps (log scale), one line per
+    run (`curves[label]` holds arrays "examples", "steps", "loss"); `target` a dotted line."""
+    for x, label, name in (
+        ("examples", "examples seen", "loss_vs_examples.png"),
+        ("steps", "optimizer steps", "loss_vs_steps.png"),
+    ):
+        fig, ax = new_figure()
+        for run_label, r in curves.items():
+            ax.plot(r[x], r["loss"], label=run_label)
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel(label)
+        ax.set_ylabel("training loss")
+        if x == "steps":
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        report.figure(fig, name, f"Loss against {label}")
