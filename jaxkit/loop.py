@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -26,14 +25,13 @@ from jax.experimental.multihost_utils import reached_preemption_sync_point
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit import peak as peak_lib
-from jaxkit.batch_plan import BatchPlan, BatchPlanError
+from jaxkit.batch_plan import BatchPlan
 from jaxkit.batch_schedule import AUTO, AutoRamp, BatchSchedule, schedule_from_config
-from jaxkit.checkpoint import Checkpointer, Restored, position_of, resume
-from jaxkit.config import LM_KINDS, ConfigError, config_to_json, parse_profile_steps
+from jaxkit.checkpoint import Checkpointer, position_of, resume
+from jaxkit.config import ConfigError, config_to_json, parse_profile_steps
 from jaxkit.costs import StepPrograms
 from jaxkit.distributed import check_agreement
-from jaxkit.layers import LM_DEFAULTS, lm_option
-from jaxkit.metrics import RunDir, truncate_metrics
+from jaxkit.metrics import RunDir
 from jaxkit.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
 from jaxkit.prefetch import Prefetcher
 from jaxkit.records import (
@@ -44,6 +42,7 @@ from jaxkit.records import (
     format_summary,
     summarize,
 )
+from jaxkit.resume import finished_summary, resume_events, saved_schedule
 from jaxkit.train_step import (
     Setup,
     TrainState,
@@ -51,7 +50,7 @@ from jaxkit.train_step import (
     check_on_mesh,
 )
 from jaxkit.validate import validate
-from jaxkit.workdir import as_path, is_local, profiler_can_write, write_text_atomic
+from jaxkit.workdir import as_path, is_local, profiler_can_write
 
 
 @dataclasses.dataclass
@@ -138,13 +137,6 @@ def train(
     if note:
         echo(note)
 
-    def schedule_of(meta: dict) -> BatchSchedule:
-        """This config's schedule from a checkpoint's position on, after the stages the run
-        trained in before it (and an auto ramp's decisions) as the checkpoint recorded them."""
-        at = position_of(meta)
-        saved = meta["loop"].get("batch_schedule") or _legacy_history(meta, config)
-        return schedule_from_config(config, shape, saved, (at.step, at.examples))
-
     checkpointer, restored = None, None
     if workdir is not None:
         checkpointer = Checkpointer(
@@ -154,7 +146,7 @@ def train(
             checkpointer,
             setup,
             config,
-            lambda meta: schedule_of(meta).plan_at(position_of(meta).examples),
+            lambda meta: saved_schedule(config, shape, meta).plan_at(position_of(meta).examples),
             allow_batch_change=allow_batch_change,
             allow_longer=allow_longer,
             echo=echo,
@@ -177,7 +169,7 @@ def train(
     ramp = AutoRamp()
     if restored is not None:
         state, position = restored.state, restored.position
-        schedule = schedule_of(restored.meta)
+        schedule = saved_schedule(config, shape, restored.meta)
         setup = dataclasses.replace(setup, schedule=schedule)
         ramp = AutoRamp.load(restored.meta["loop"].get("batch_schedule"))
         tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
@@ -195,8 +187,11 @@ def train(
         if checkpointer:
             checkpointer.close()
         saved_events = restored.meta["loop"].get("events", []) if restored else []
-        return _finished_run(
-            config, schedule, state, workdir, position, saved_events, tracker, eval_source, echo
+        summary = finished_summary(
+            config, schedule, workdir, position, saved_events, tracker, eval_source, echo
+        )
+        return RunResult(
+            plan=schedule.plan_at(position.examples), state=state, records=[], summary=summary
         )
 
     # What changed at this resume: logged once, and kept in the checkpoints saved at this
@@ -460,124 +455,6 @@ def train(
     return RunResult(plan=plan, state=state, records=records, summary=summary)
 
 
-def _legacy_history(meta: dict, config: ml_collections.ConfigDict) -> dict:
-    """The batch history of a checkpoint saved before batch schedules: one fixed batch."""
-    plan, at = meta["plan"], position_of(meta)
-    first = {
-        "examples": 0,
-        "asked_examples": 0,
-        "global_batch_size": plan["global_batch_size"],
-        "grad_accum_steps": plan["grad_accum_steps"],
-        "learning_rate": plan["learning_rate"],
-        "first_step": 0,
-        "steps": at.step,
-    }
-    warmup = max(int(config.optimizer.warmup_steps), 0) * plan["global_batch_size"]
-    return {"realized": [first] if at.step else [], "warmup_examples": warmup}
-
-
-def resume_events(
-    restored: Restored,
-    config: ml_collections.ConfigDict,
-    schedule: BatchSchedule,
-    shape: dict[str, int],
-) -> list[dict]:
-    """What changed at a resume, as records in the run's own history (metrics.jsonl)."""
-    meta, at = restored.meta, restored.position
-    plan = schedule.plan_at(at.examples)
-    saved = meta["loop"].get("batch_schedule") or _legacy_history(meta, config)
-    try:  # the saved config's schedule from here on: what the run would have done
-        old = ml_collections.ConfigDict(meta["config"])
-        before = schedule_from_config(
-            old, meta["plan"]["mesh_shape"], saved, (at.step, at.examples)
-        )
-    except BatchPlanError:  # a mesh of the saved config no longer describable: no comparison
-        before = None
-    # The rate of the next optimizer step under the saved config and under this one.
-    rates = {"learning_rate": schedule.learning_rate(at.examples, plan)}
-    if before is not None:
-        rates = {
-            "learning_rate_before": before.learning_rate(at.examples, before.plan_at(at.examples)),
-            "learning_rate_after": rates["learning_rate"],
-        }
-    events = []
-    if meta["plan"] != plan.to_json():  # the move: plan and learning-rate policy
-        events.append(
-            {
-                "event": "plan_change",
-                "step": at.step,
-                "micro_step": int(jax.device_get(restored.state.micro_step)),
-                "examples_seen": at.examples,
-                "from_plan": meta["plan"],
-                "to_plan": plan.to_json(),
-                "lr_scaling": plan.lr_scaling,
-                "learning_rate": plan.learning_rate,  # the peak, scaled for this batch
-                **rates,
-            }
-        )
-    if restored.redone_micro_steps:
-        events.append(
-            {
-                "event": "partial_step_redone",
-                "step": at.step,
-                # The counter goes back to the step's start: it counts the micro-steps
-                # the run kept, so the redone ones are counted once.
-                "micro_step": int(jax.device_get(restored.state.micro_step)),
-                "micro_steps_redone": restored.redone_micro_steps,
-                "examples_seen": at.examples,
-            }
-        )
-    saved_t, t = meta["config"]["train"], config.train
-    key = "steps" if t.steps is not None else "examples"
-    if saved_t.get(key) != t[key]:  # --allow-longer: the schedule is re-laid
-        events.append(
-            {
-                "event": "steps_change",
-                "step": at.step,
-                "examples_seen": at.examples,
-                f"from_{key}": saved_t.get(key),
-                f"to_{key}": t[key],
-                **rates,
-            }
-        )
-    elif before is not None and _course(before) != _course(schedule):
-        # batch.* changed what is still to come (the stages, the run's examples): the
-        # learning-rate curve is re-laid over the examples the run will now train.
-        events.append(
-            {
-                "event": "batch_schedule_change",
-                "step": at.step,
-                "examples_seen": at.examples,
-                "from_schedule": before.to_json(),
-                "to_schedule": schedule.to_json(),
-                **rates,
-            }
-        )
-    saved_remat = meta["config"].get("model", {}).get("remat", LM_DEFAULTS["remat"])
-    if config.model.kind in LM_KINDS and saved_remat != lm_option(config.model, "remat"):
-        # Same model, other recomputation: hardware FLOPs (and HFU, memory) move from here.
-        events.append(
-            {
-                "event": "remat_change",
-                "step": at.step,
-                "examples_seen": at.examples,
-                "from_remat": saved_remat,
-                "to_remat": lm_option(config.model, "remat"),
-            }
-        )
-    return events
-
-
-def _course(schedule: BatchSchedule) -> tuple:
-    """What a schedule trains from its origin on, whatever the mesh: each stage's start,
-    batch, steps and peak rate, and the examples the learning rate's decay spans."""
-    stages = tuple(
-        (s.first_example, s.plan.global_batch_size, s.steps, s.plan.learning_rate)
-        for s in schedule.stages  # from the resume on: both share the history before it
-    )
-    return stages, schedule.total_examples
-
-
 def batch_change_event(
     done: int,
     examples: int,
@@ -616,56 +493,6 @@ def format_batch_change(event: dict) -> str:
         f"{event['global_batch_size']} (grad_accum_steps {event['from_grad_accum_steps']} -> "
         f"{event['grad_accum_steps']}) at example {event['examples_seen']:,}: {why}"
     )
-
-
-def _finished_run(
-    config: ml_collections.ConfigDict,
-    schedule: BatchSchedule,
-    state: TrainState,
-    workdir: str | os.PathLike,
-    position: data_lib.Position,
-    saved_events: Sequence[dict],
-    tracker: StepTracker,
-    eval_source: data_lib.Source,
-    echo: Callable[[str], None],
-) -> RunResult:
-    """A rerun on a finished workdir: nothing to train. A run that finished without its
-    summary (killed between the last checkpoint and the summary, or extended by
-    --allow-longer and abandoned) gets one from its log, up to its checkpoint."""
-    echo(f"{workdir} holds a finished run of {position.step} steps; nothing to do")
-    plan = schedule.plan_at(position.examples)
-    summary_file = as_path(workdir) / "summary.json"
-    metrics_file = as_path(workdir) / "metrics.jsonl"
-    records = []
-    if metrics_file.exists() and jax.process_index() == 0:
-        # What an abandoned attempt logged past the checkpoint is not part of this run.
-        records = truncate_metrics(workdir, position.step, saved_events)
-    if summary_file.exists():
-        summary = json.loads(summary_file.read_text())
-    else:
-        records = [r for r in records if "event" not in r]
-        fixed = not schedule.changes_batch
-        summary = summarize(
-            config,
-            plan,
-            records,
-            tracker,
-            eval_source,
-            0.0,
-            position.step,
-            None if fixed else schedule.to_json(),
-        )
-        summary["rebuilt_from"] = "metrics.jsonl"  # no timings: they were never logged whole
-        # Unknown, not 0: the run's first step and wall time were never logged, and what
-        # this process compiled to rebuild the summary is not the run's compile.
-        summary |= {"first_step_s": None, "wall_time_s": None}
-        for key in ("compile_s", "trace_s", "compile_cache_hit"):
-            if key in summary:
-                summary[key] = None
-        if jax.process_index() == 0:
-            write_text_atomic(summary_file, json.dumps(summary, indent=2) + "\n")
-            echo(f"wrote the missing {summary_file} from metrics.jsonl")
-    return RunResult(plan=plan, state=state, records=[], summary=summary)
 
 
 def _stop_message(

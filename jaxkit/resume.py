@@ -1,0 +1,205 @@
+"""What a resumed run reads from its checkpoint's record, beside the arrays checkpoint.py
+restores: the batch schedule as the run lived it, what changed at this resume (the events
+its log keeps), and a rerun on a run that has already finished.
+
+A checkpoint's loop state records the stages the run trained in and the auto ramp's
+decisions; checkpoints from before batch schedules recorded one fixed batch, read here as a
+one-stage history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+
+import jax
+import ml_collections
+
+from jaxkit import data as data_lib
+from jaxkit.batch_plan import BatchPlanError
+from jaxkit.batch_schedule import BatchSchedule, schedule_from_config
+from jaxkit.checkpoint import Restored, position_of
+from jaxkit.config import LM_KINDS
+from jaxkit.layers import LM_DEFAULTS, lm_option
+from jaxkit.metrics import truncate_metrics
+from jaxkit.records import StepTracker, summarize
+from jaxkit.workdir import as_path, write_text_atomic
+
+
+def saved_schedule(
+    config: ml_collections.ConfigDict, shape: dict[str, int], meta: dict
+) -> BatchSchedule:
+    """This config's schedule from a checkpoint's position on, after the stages the run
+    trained in before it (and an auto ramp's decisions) as the checkpoint recorded them."""
+    at = position_of(meta)
+    saved = meta["loop"].get("batch_schedule") or _legacy_history(meta, config)
+    return schedule_from_config(config, shape, saved, (at.step, at.examples))
+
+
+def _legacy_history(meta: dict, config: ml_collections.ConfigDict) -> dict:
+    """The batch history of a checkpoint saved before batch schedules: one fixed batch."""
+    plan, at = meta["plan"], position_of(meta)
+    first = {
+        "examples": 0,
+        "asked_examples": 0,
+        "global_batch_size": plan["global_batch_size"],
+        "grad_accum_steps": plan["grad_accum_steps"],
+        "learning_rate": plan["learning_rate"],
+        "first_step": 0,
+        "steps": at.step,
+    }
+    warmup = max(int(config.optimizer.warmup_steps), 0) * plan["global_batch_size"]
+    return {"realized": [first] if at.step else [], "warmup_examples": warmup}
+
+
+def resume_events(
+    restored: Restored,
+    config: ml_collections.ConfigDict,
+    schedule: BatchSchedule,
+    shape: dict[str, int],
+) -> list[dict]:
+    """What changed at a resume, as records in the run's own history (metrics.jsonl)."""
+    meta, at = restored.meta, restored.position
+    plan = schedule.plan_at(at.examples)
+    saved = meta["loop"].get("batch_schedule") or _legacy_history(meta, config)
+    try:  # the saved config's schedule from here on: what the run would have done
+        old = ml_collections.ConfigDict(meta["config"])
+        before = schedule_from_config(
+            old, meta["plan"]["mesh_shape"], saved, (at.step, at.examples)
+        )
+    except BatchPlanError:  # a mesh of the saved config no longer describable: no comparison
+        before = None
+    # The rate of the next optimizer step under the saved config and under this one.
+    rates = {"learning_rate": schedule.learning_rate(at.examples, plan)}
+    if before is not None:
+        rates = {
+            "learning_rate_before": before.learning_rate(at.examples, before.plan_at(at.examples)),
+            "learning_rate_after": rates["learning_rate"],
+        }
+    events = []
+    if meta["plan"] != plan.to_json():  # the move: plan and learning-rate policy
+        events.append(
+            {
+                "event": "plan_change",
+                "step": at.step,
+                "micro_step": int(jax.device_get(restored.state.micro_step)),
+                "examples_seen": at.examples,
+                "from_plan": meta["plan"],
+                "to_plan": plan.to_json(),
+                "lr_scaling": plan.lr_scaling,
+                "learning_rate": plan.learning_rate,  # the peak, scaled for this batch
+                **rates,
+            }
+        )
+    if restored.redone_micro_steps:
+        events.append(
+            {
+                "event": "partial_step_redone",
+                "step": at.step,
+                # The counter goes back to the step's start: it counts the micro-steps
+                # the run kept, so the redone ones are counted once.
+                "micro_step": int(jax.device_get(restored.state.micro_step)),
+                "micro_steps_redone": restored.redone_micro_steps,
+                "examples_seen": at.examples,
+            }
+        )
+    saved_t, t = meta["config"]["train"], config.train
+    key = "steps" if t.steps is not None else "examples"
+    if saved_t.get(key) != t[key]:  # --allow-longer: the schedule is re-laid
+        events.append(
+            {
+                "event": "steps_change",
+                "step": at.step,
+                "examples_seen": at.examples,
+                f"from_{key}": saved_t.get(key),
+                f"to_{key}": t[key],
+                **rates,
+            }
+        )
+    elif before is not None and _course(before) != _course(schedule):
+        # batch.* changed what is still to come (the stages, the run's examples): the
+        # learning-rate curve is re-laid over the examples the run will now train.
+        events.append(
+            {
+                "event": "batch_schedule_change",
+                "step": at.step,
+                "examples_seen": at.examples,
+                "from_schedule": before.to_json(),
+                "to_schedule": schedule.to_json(),
+                **rates,
+            }
+        )
+    saved_remat = meta["config"].get("model", {}).get("remat", LM_DEFAULTS["remat"])
+    if config.model.kind in LM_KINDS and saved_remat != lm_option(config.model, "remat"):
+        # Same model, other recomputation: hardware FLOPs (and HFU, memory) move from here.
+        events.append(
+            {
+                "event": "remat_change",
+                "step": at.step,
+                "examples_seen": at.examples,
+                "from_remat": saved_remat,
+                "to_remat": lm_option(config.model, "remat"),
+            }
+        )
+    return events
+
+
+def _course(schedule: BatchSchedule) -> tuple:
+    """What a schedule trains from its origin on, whatever the mesh: each stage's start,
+    batch, steps and peak rate, and the examples the learning rate's decay spans."""
+    stages = tuple(
+        (s.first_example, s.plan.global_batch_size, s.steps, s.plan.learning_rate)
+        for s in schedule.stages  # from the resume on: both share the history before it
+    )
+    return stages, schedule.total_examples
+
+
+def finished_summary(
+    config: ml_collections.ConfigDict,
+    schedule: BatchSchedule,
+    workdir: str | os.PathLike,
+    position: data_lib.Position,
+    saved_events: Sequence[dict],
+    tracker: StepTracker,
+    eval_source: data_lib.Source,
+    echo: Callable[[str], None],
+) -> dict:
+    """The summary of a finished run, for a rerun on its workdir: nothing to train. A run
+    that finished without its summary (killed between the last checkpoint and the summary,
+    or extended by --allow-longer and abandoned) gets one from its log, up to its
+    checkpoint."""
+    echo(f"{workdir} holds a finished run of {position.step} steps; nothing to do")
+    plan = schedule.plan_at(position.examples)
+    summary_file = as_path(workdir) / "summary.json"
+    metrics_file = as_path(workdir) / "metrics.jsonl"
+    records = []
+    if metrics_file.exists() and jax.process_index() == 0:
+        # What an abandoned attempt logged past the checkpoint is not part of this run.
+        records = truncate_metrics(workdir, position.step, saved_events)
+    if summary_file.exists():
+        summary = json.loads(summary_file.read_text())
+    else:
+        records = [r for r in records if "event" not in r]
+        fixed = not schedule.changes_batch
+        summary = summarize(
+            config,
+            plan,
+            records,
+            tracker,
+            eval_source,
+            0.0,
+            position.step,
+            None if fixed else schedule.to_json(),
+        )
+        summary["rebuilt_from"] = "metrics.jsonl"  # no timings: they were never logged whole
+        # Unknown, not 0: the run's first step and wall time were never logged, and what
+        # this process compiled to rebuild the summary is not the run's compile.
+        summary |= {"first_step_s": None, "wall_time_s": None}
+        for key in ("compile_s", "trace_s", "compile_cache_hit"):
+            if key in summary:
+                summary[key] = None
+        if jax.process_index() == 0:
+            write_text_atomic(summary_file, json.dumps(summary, indent=2) + "\n")
+            echo(f"wrote the missing {summary_file} from metrics.jsonl")
+    return summary
