@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import io
-import json
-import math
 import os
 import signal
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -27,9 +23,6 @@ if TYPE_CHECKING:
     import jax
     import ml_collections
 
-    from jaxkit import costs
-    from jaxkit.batch_plan import BatchPlan
-    from jaxkit.targets import Target
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
 COMMANDS = ("plan", "train", "experiment", "report", "data")
@@ -572,31 +565,24 @@ def _main(argv: list[str] | None) -> int:
         except DistributedError as err:
             return _error(err)
 
-    import jax
-
     from jaxkit import mesh as mesh_lib
+    from jaxkit import planning
     from jaxkit.batch_plan import BatchPlanError
     from jaxkit.checkpoint import CheckpointError
     from jaxkit.data import DataError
     from jaxkit.distributed import DistributedError
-    from jaxkit.targets import TargetError, target_devices
-    from jaxkit.train_step import check_on_mesh
+    from jaxkit.targets import TargetError
 
     try:
         # Every command runs the config's mesh on its devices (the live ones, or a described
         # TPU slice's): its shards must be even.
-        devices = target_devices(opts.target) if target is not None else jax.devices()
-        try:
-            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
-        except mesh_lib.MeshError as err:
-            if target is None:
-                raise
-            raise mesh_lib.MeshError(
-                f"--target {opts.target.name} has {len(devices)} chips: {err}"
-            ) from None
-        check_on_mesh(config, shape)
+        described = opts.target if target is not None else None  # the parsed TPU slice
+        devices = planning.devices_for(described)
+        shape = planning.mesh_shape(config, devices, described)
         if opts.command == "plan":
-            return _plan(config, shape, opts, devices)
+            from jaxkit.commands import plan
+
+            return plan.run(config, shape, opts, devices)
         if opts.command == "experiment":
             return _experiment(config, opts, devices)
         return _train(config, opts)
@@ -609,165 +595,13 @@ def _main(argv: list[str] | None) -> int:
         CheckpointError,
         DistributedError,
         UsageError,
+        planning.PlanError,
     ) as err:
         return _error(err)
 
 
-def _plan(
-    config: ml_collections.ConfigDict,
-    shape: dict[str, int],
-    opts: argparse.Namespace,
-    devices: Sequence[jax.Device],
-) -> int:
-    import tqdm
-
-    from jaxkit import costs
-    from jaxkit.batch_plan import format_table
-    from jaxkit.batch_schedule import schedule_from_config
-
-    target = opts.target
-    policies = _remat_policies(opts.remat, config)
-    schedule = schedule_from_config(config, shape)  # every stage must hold on this mesh
-    plan = schedule.first
-    if config.data.source == "tokens":
-        # Token files are the one source the config does not describe: train's checks of
-        # them (ids against model.vocab_size, rows, scored targets) apply to the plan too.
-        from jaxkit.data import checked_sources
-
-        checked_sources(config, schedule.largest)
-    ramp = {"batch_schedule": schedule.to_json()} if schedule.kind != "fixed" else {}
-    budget = _memory_budget(opts.memory_budget, devices[0], target)
-    slice_info: dict[str, object] = {}
-    if target is not None:
-        from jaxkit.targets import batch_shards_per_host
-
-        shards = batch_shards_per_host(devices, shape)
-        slice_info = {
-            "target": target.name,
-            "topology": target.topology,
-            "device_kind": target.generation.device_kind,
-            "num_devices": target.chips,
-            "num_hosts": target.hosts,
-            "memory_budget_bytes": budget,
-            "batch_shards_per_host": shards,
-        }
-        if not opts.json:
-            print(f"target: {target.describe()}")
-            print(
-                f"each host loads {shards} of the {plan.data_parallel_size} per-device "
-                f"batches of a micro-step: rows per host per micro-step: "
-                f"{shards * plan.per_device_batch_size} (of {plan.micro_batch_size})"
-            )
-    if not (opts.all_splits or opts.max_per_device_batch):
-        model = _model_json(config, plan)
-        if opts.json:
-            rows = {"rows_per_host": shards * plan.per_device_batch_size} if target else {}
-            print(json.dumps({**plan.to_json(), **slice_info, **rows, **ramp, "model": model}))
-        else:
-            print(plan.table())
-            print(_model_line(model))
-            if config.train.get("examples") is not None:
-                print(
-                    f"run: {schedule.total_steps} optimizer steps, {schedule.total_examples:,} "
-                    f"examples (train.examples={config.train.examples:,}, to a whole step)"
-                    if schedule.kind != "auto"
-                    else f"run: until {config.train.examples:,} examples (steps as the batch grows)"
-                )
-            if ramp:
-                print(
-                    f"\nbatch schedule ({schedule.kind}; K changes, the per-device batch does not):"
-                )
-                print(schedule.table())
-        return 0
-    if opts.max_per_device_batch:
-        if budget is None:
-            raise PlanError(
-                f"{devices[0].platform} devices report no memory limit: give --memory-budget, "
-                "e.g. --memory-budget 2GiB"
-            )
-        return _max_batch(config, devices, budget, opts.json, slice_info, policies)
-    counts = (
-        [len(devices)] if target is not None else _device_counts(opts.device_counts, len(devices))
-    )
-    _check_counts_shard_evenly(config, counts)
-    splits = costs.enumerate_splits(config, counts)
-    dropped = costs.left_out(config, counts, splits)
-    if not splits:
-        raise PlanError(
-            "no split on any of the device counts: "
-            + "; ".join(f"{n} devices: {why}" for n, why in dropped.items())
-        )
-    counts = sorted({s.devices for s in splits}, reverse=True)
-    splits = [dataclasses.replace(s, remat=r) for r in policies for s in splits]
-    with tqdm.tqdm(total=len(splits), unit="compile", file=sys.stderr, disable=opts.json) as bar:
-
-        def compiled(split: costs.Split) -> None:
-            remat = f" remat={split.remat}" if split.remat else ""
-            bar.set_postfix_str(f"devices={split.devices} per_device={split.key[1]}{remat}")
-            bar.update(1)
-
-        splits = costs.with_costs(config, splits, devices, progress=compiled)
-    chosen = costs.recommend(splits, budget, len(devices)) if budget is not None else None
-    if opts.json:
-        print(
-            json.dumps(
-                {
-                    **slice_info,
-                    "memory_budget_bytes": budget,
-                    "left_out_device_counts": {str(n): why for n, why in dropped.items()},
-                    "recommended": (
-                        {**chosen.plan.to_json(), "remat": chosen.remat} if chosen else None
-                    ),
-                    "splits": [_split_json(s) for s in splits],
-                }
-            )
-        )
-        return 0
-    kind = devices[0].device_kind if target is not None else devices[0].platform
-    print(
-        f"global_batch_size={plan.global_batch_size}: every split on {', '.join(map(str, counts))} "
-        f"{kind} devices, compiled per-device memory "
-        "(argument + output − alias + temp) and FLOPs per optimizer step"
-    )
-    compared = opts.remat is not None
-    print(
-        format_table(
-            costs.split_header(compared),
-            costs.splits_cost_table(splits, budget, chosen, compared),
-        )
-    )
-    print(
-        "model FLOPs: the architecture's (flops.py), the basis of MFU; hardware FLOPs: the "
-        "compiled matmuls, recomputation included (× model), the basis of HFU"
-    )
-    for n, why in dropped.items():
-        print(f"left out: {n} devices ({why})")
-    if budget is None:
-        print(f"{devices[0].platform} devices report no memory limit: give --memory-budget SIZE")
-    elif chosen is None:
-        print(
-            f"no split on {len(devices)} devices fits {costs.format_bytes(budget)}: "
-            "a smaller model, a smaller global batch or more devices"
-        )
-    else:
-        p = chosen.plan
-        remat = f" model.remat={chosen.remat}" if chosen.remat else ""
-        print(
-            f"recommended on {len(devices)} devices within {costs.format_bytes(budget)}: "
-            f"per_device_batch_size={p.per_device_batch_size} "
-            f"grad_accum_steps={p.grad_accum_steps}{remat} (the most model FLOPs per second "
-            "predicted: the fewest hardware FLOPs per model FLOP, then the largest per-device "
-            "batch that fits, then the fewest accumulation steps)"
-        )
-    return 0
-
-
 class UsageError(ValueError):
     """A command line that cannot be run as given (exit status 2)."""
-
-
-class PlanError(UsageError):
-    """A `jaxkit plan` request that cannot be answered."""
 
 
 def _check_can_write(path: str, flag: str) -> None:
@@ -790,237 +624,6 @@ def _check_can_write(path: str, flag: str) -> None:
             pass
     except OSError as err:
         raise UsageError(f"{flag} {path}: {probe} is not writable ({err.strerror})") from None
-
-
-def _model_json(config: ml_collections.ConfigDict, plan: BatchPlan) -> dict[str, object]:
-    """The model's size, precision and layout, and its model FLOPs per optimizer step: per
-    device, as records and summaries give them, and on all devices together."""
-    from jaxkit.flops import model_flops_per_example
-    from jaxkit.records import model_facts
-
-    facts = {"kind": config.model.kind, **model_facts(config)}
-    every = model_flops_per_example(config) * plan.global_batch_size
-    facts["model_flops_per_step"] = every / math.prod(plan.mesh_shape.values())
-    facts["model_flops_per_step_all_devices"] = every
-    return facts
-
-
-def _model_line(m: dict[str, object]) -> str:
-    from jaxkit import costs
-
-    line = f"model: {m['kind']}, {m['param_count']:,} params"
-    if "param_dtype" in m:
-        layout = "scanned layers" if m["scan_layers"] else "unrolled layers"
-        line += (
-            f" in {m['param_dtype']}, matmuls in {m['compute_dtype']}, remat {m['remat']}, {layout}"
-        )
-    per_device, every = (
-        costs.format_flops(float(m[key]))  # type: ignore[arg-type]
-        for key in ("model_flops_per_step", "model_flops_per_step_all_devices")
-    )
-    return line + f"; {per_device}FLOPs per optimizer step per device (model; {every}FLOPs on all)"
-
-
-def _remat_policies(text: str | None, config: ml_collections.ConfigDict) -> list[str | None]:
-    """--remat's policies; without it the config's own (None for a model without remat)."""
-    from jaxkit.config import LM_KINDS
-    from jaxkit.layers import REMAT_POLICIES, lm_option
-
-    has_remat = config.model.kind in LM_KINDS
-    if text is None:
-        return [lm_option(config.model, "remat") if has_remat else None]
-    if not has_remat:
-        raise PlanError(
-            f"--remat: model.kind={config.model.kind!r} has no activation recompute policies "
-            "(the transformer and llama kinds do)"
-        )
-    policies = [part.strip() for part in text.split(",")]
-    bad = [p for p in policies if p not in REMAT_POLICIES]
-    if bad or not policies:
-        raise PlanError(
-            f"--remat {text!r}: {', '.join(map(repr, bad)) or 'nothing'} is not a policy; give "
-            f"a comma-separated list of {', '.join(REMAT_POLICIES)}"
-        )
-    return list(dict.fromkeys(policies))
-
-
-def _split_json(split: costs.Split) -> dict[str, object]:
-    out: dict[str, object] = {"devices": split.devices, **split.plan.to_json()}
-    out["remat"] = split.remat
-    if split.cost is not None:
-        out |= split.cost.to_json()
-    if split.out_of_memory is not None:  # the compiler refused it
-        out |= {
-            "memory_bytes": None,
-            "out_of_memory": str(split.out_of_memory),
-            "needed_bytes": split.out_of_memory.needed_bytes,
-        }
-    return out
-
-
-def _memory_budget(text: str | None, device: jax.Device, target: Target | None) -> int | None:
-    """--memory-budget, else a target chip's HBM, else what the live device reports."""
-    from jaxkit import costs
-
-    if text is None and target is not None:
-        return target.generation.hbm_bytes
-    if text is None:
-        return costs.device_memory_bytes(device)
-    try:
-        budget = costs.parse_bytes(text)
-    except (ValueError, OverflowError):  # 1e999 overflows int()
-        budget = 0
-    if budget < 1:
-        raise PlanError(
-            f"--memory-budget {text!r} is not a memory size of at least one byte; write e.g. "
-            "16GiB, 512MiB, 2GB or a byte count"
-        )
-    return budget
-
-
-def _device_counts(text: str | None, live: int) -> list[int]:
-    if text is None:
-        return [n for n in range(live, 0, -1) if live % n == 0]
-    try:
-        counts = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise PlanError(f"--device-counts={text!r} is not a comma-separated list") from None
-    bad = [n for n in counts if not 1 <= n <= live]
-    if bad:
-        raise PlanError(f"--device-counts: {bad} outside 1..{live} (the live device count)")
-    return sorted(set(counts), reverse=True)
-
-
-def _check_counts_shard_evenly(config: ml_collections.ConfigDict, counts: list[int]) -> None:
-    """The mesh on each device count (where it fits) must shard the parameters evenly."""
-    from jaxkit import mesh as mesh_lib
-    from jaxkit.config import ConfigError
-    from jaxkit.models import check_mesh_divides
-
-    for n in counts:
-        try:
-            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), n)
-        except mesh_lib.MeshError:
-            continue  # enumerate_splits leaves out the counts this mesh cannot use
-        try:
-            check_mesh_divides(config, shape)
-        except ConfigError as err:
-            raise PlanError(f"--device-counts {n}: {err}") from None
-
-
-def _max_batch(
-    config: ml_collections.ConfigDict,
-    devices: Sequence[jax.Device],
-    budget: int,
-    as_json: bool,
-    slice_info: dict[str, object],
-    policies: Sequence[str | None] = (None,),
-) -> int:
-    """The largest per-device batch under `budget`, searched for each remat policy; with
-    several, the one with the most model FLOPs per second predicted is recommended."""
-    from jaxkit import costs
-
-    searches: list[tuple[str | None, costs.BatchSearch]] = []
-    began = time.perf_counter()
-    # Each compile is announced as it starts (on stderr, so --json's stdout stays one
-    # document): for a TPU slice one can take minutes, and silence looks like a hang.
-    for policy in policies:
-        label = f"  remat={policy} " if len(policies) > 1 else "  "
-
-        def starting(b: int, label: str = label) -> None:
-            elapsed = time.perf_counter() - began
-            print(
-                f"{label}per_device_batch_size={b}: compiling ({elapsed:.1f} s into the search)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-        def progress(b: int, memory: int | None, label: str = label) -> None:
-            said = (
-                costs.format_bytes(memory)
-                if memory is not None
-                else "more than the device has (the compiler refused it)"
-            )
-            print(f"{label}per_device_batch_size={b}: {said}", file=sys.stderr, flush=True)
-
-        found = costs.max_per_device_batch(
-            costs.with_remat(config, policy), devices, budget, progress=progress, starting=starting
-        )
-        searches.append((policy, found))
-
-    def as_dict(policy: str | None, result: costs.BatchSearch) -> dict[str, object]:
-        c = result.cost
-        return {
-            "remat": policy,
-            "max_per_device_batch_size": result.per_device_batch_size,
-            "memory_bytes": c.memory_bytes if c else None,
-            "model_flops_per_step": c.model_flops_per_step if c else None,
-            "hardware_flops_per_step": c.hardware_flops_per_step if c else None,
-            "compiles": result.compiles,
-            "seconds": result.seconds,
-            "tried": {str(b): m for b, m in sorted(result.tried.items())},
-            "out_of_memory": {str(b): str(e) for b, e in sorted(result.refused.items())},
-        }
-
-    fitting = [(p, r) for p, r in searches if r.cost is not None]
-    best = max(fitting, key=lambda pr: _predicted(pr[1]), default=searches[0])
-    if as_json:  # a search that found nothing still says what each size needed
-        print(
-            json.dumps(
-                {
-                    **slice_info,
-                    "memory_budget_bytes": budget,
-                    **as_dict(*best),
-                    "by_remat": [as_dict(p, r) for p, r in searches],
-                }
-            )
-        )
-    if not fitting:
-        policy, result = searches[0]
-        one = result.tried[1]
-        needs = (
-            costs.format_bytes(one)
-            if one is not None
-            else f"more than the device has (the compiler: {result.refused[1]})"
-        )
-        raise PlanError(
-            f"even per_device_batch_size=1 needs {needs} per device on {len(devices)} "
-            f"devices, more than the budget of {costs.format_bytes(budget)}: a smaller "
-            "model, a larger budget, "
-            + ("model.remat=full, " if policy not in (None, "full") else "")
-            + "or more devices (mesh.fsdp shards the state)"
-        )
-    if as_json:
-        return 0
-    for policy, result in searches:
-        remat = f" with remat={policy}" if len(policies) > 1 else ""
-        if result.cost is None:
-            print(f"max per_device_batch_size{remat}: none fits")
-            continue
-        ratio = result.cost.hardware_flops_per_step / result.cost.model_flops_per_step
-        print(
-            f"max per_device_batch_size={result.per_device_batch_size}{remat} on "
-            f"{len(devices)} devices: {costs.format_bytes(result.cost.memory_bytes)} of "
-            f"{costs.format_bytes(budget)}, {ratio:.2f} hardware FLOPs per model FLOP "
-            f"({result.compiles} compiles, {result.seconds:.1f} s, nothing executed)"
-        )
-    if len(policies) > 1:
-        print(
-            f"recommended: model.remat={best[0]} "
-            f"per_device_batch_size={best[1].per_device_batch_size} (the fewest hardware "
-            "FLOPs per model FLOP, then the largest per-device batch)"
-        )
-    return 0
-
-
-def _predicted(result: costs.BatchSearch) -> tuple[float, int, int]:
-    """The order of predicted model FLOP/s (costs.recommend's): less recompute, wider."""
-    from jaxkit import costs
-
-    assert result.cost is not None
-    c = result.cost
-    ratio = c.hardware_flops_per_step / c.model_flops_per_step
-    return costs.predicted_speed(ratio, result.per_device_batch_size, 1)
 
 
 def _default_dir(name: str) -> str:

@@ -1,0 +1,198 @@
+"""`jaxkit plan`: prints what `jaxkit.planning` answers, as tables or as one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
+    import ml_collections
+
+    from jaxkit import costs, planning
+
+
+def model_line(m: dict[str, object]) -> str:
+    from jaxkit import costs
+
+    line = f"model: {m['kind']}, {m['param_count']:,} params"
+    if "param_dtype" in m:
+        layout = "scanned layers" if m["scan_layers"] else "unrolled layers"
+        line += (
+            f" in {m['param_dtype']}, matmuls in {m['compute_dtype']}, remat {m['remat']}, {layout}"
+        )
+    per_device, every = (
+        costs.format_flops(float(m[key]))  # type: ignore[arg-type]
+        for key in ("model_flops_per_step", "model_flops_per_step_all_devices")
+    )
+    return line + f"; {per_device}FLOPs per optimizer step per device (model; {every}FLOPs on all)"
+
+
+def run(
+    config: ml_collections.ConfigDict,
+    shape: dict[str, int],
+    opts: argparse.Namespace,
+    devices: Sequence[jax.Device],
+) -> int:
+    from jaxkit import planning
+
+    request = planning.request(
+        config,
+        devices,
+        shape,
+        target=opts.target,
+        memory_budget=opts.memory_budget,
+        remat=opts.remat,
+    )
+    if request.target is not None and not opts.json:
+        plan = request.plan
+        print(f"target: {request.target.describe()}")
+        print(
+            f"each host loads {request.batch_shards_per_host} of the {plan.data_parallel_size} "
+            f"per-device batches of a micro-step: rows per host per micro-step: "
+            f"{request.rows_per_host} (of {plan.micro_batch_size})"
+        )
+    if opts.max_per_device_batch:
+        return _max_batch(request, opts.json)
+    if opts.all_splits:
+        return _all_splits(request, opts)
+    summary = planning.summary(request)
+    if opts.json:
+        print(json.dumps(summary.to_json()))
+    else:
+        _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: planning.Summary) -> None:
+    config, schedule = summary.request.config, summary.request.schedule
+    print(schedule.first.table())
+    print(model_line(summary.model))
+    if config.train.get("examples") is not None:
+        print(
+            f"run: {schedule.total_steps} optimizer steps, {schedule.total_examples:,} "
+            f"examples (train.examples={config.train.examples:,}, to a whole step)"
+            if schedule.kind != "auto"
+            else f"run: until {config.train.examples:,} examples (steps as the batch grows)"
+        )
+    if schedule.kind != "fixed":
+        print(f"\nbatch schedule ({schedule.kind}; K changes, the per-device batch does not):")
+        print(schedule.table())
+
+
+def _all_splits(request: planning.Request, opts: argparse.Namespace) -> int:
+    import tqdm
+
+    from jaxkit import costs, planning
+    from jaxkit.batch_plan import format_table
+
+    candidates = planning.candidate_splits(request, opts.device_counts)
+    total = len(candidates.splits)
+    with tqdm.tqdm(total=total, unit="compile", file=sys.stderr, disable=opts.json) as bar:
+
+        def compiled(split: costs.Split) -> None:
+            remat = f" remat={split.remat}" if split.remat else ""
+            bar.set_postfix_str(f"devices={split.devices} per_device={split.key[1]}{remat}")
+            bar.update(1)
+
+        result = planning.cost_splits(request, candidates, progress=compiled)
+    if opts.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    devices, budget, chosen = request.devices, request.budget, result.recommended
+    kind = devices[0].device_kind if request.target is not None else devices[0].platform
+    print(
+        f"global_batch_size={request.plan.global_batch_size}: every split on "
+        f"{', '.join(map(str, result.counts))} {kind} devices, compiled per-device memory "
+        "(argument + output − alias + temp) and FLOPs per optimizer step"
+    )
+    compared = opts.remat is not None
+    print(
+        format_table(
+            costs.split_header(compared),
+            costs.splits_cost_table(result.splits, budget, chosen, compared),
+        )
+    )
+    print(
+        "model FLOPs: the architecture's (flops.py), the basis of MFU; hardware FLOPs: the "
+        "compiled matmuls, recomputation included (× model), the basis of HFU"
+    )
+    for n, why in result.left_out.items():
+        print(f"left out: {n} devices ({why})")
+    if budget is None:
+        print(f"{devices[0].platform} devices report no memory limit: give --memory-budget SIZE")
+    elif chosen is None:
+        print(
+            f"no split on {len(devices)} devices fits {costs.format_bytes(budget)}: "
+            "a smaller model, a smaller global batch or more devices"
+        )
+    else:
+        p = chosen.plan
+        remat = f" model.remat={chosen.remat}" if chosen.remat else ""
+        print(
+            f"recommended on {len(devices)} devices within {costs.format_bytes(budget)}: "
+            f"per_device_batch_size={p.per_device_batch_size} "
+            f"grad_accum_steps={p.grad_accum_steps}{remat} (the most model FLOPs per second "
+            "predicted: the fewest hardware FLOPs per model FLOP, then the largest per-device "
+            "batch that fits, then the fewest accumulation steps)"
+        )
+    return 0
+
+
+def _max_batch(request: planning.Request, as_json: bool) -> int:
+    from jaxkit import costs, planning
+
+    several = len(request.policies) > 1
+    began = time.perf_counter()
+
+    # Each compile is announced as it starts (on stderr, so --json's stdout stays one
+    # document): for a TPU slice one can take minutes, and silence looks like a hang.
+    def starting(policy: str | None, b: int) -> None:
+        label = f"  remat={policy} " if several else "  "
+        elapsed = time.perf_counter() - began
+        print(
+            f"{label}per_device_batch_size={b}: compiling ({elapsed:.1f} s into the search)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def progress(policy: str | None, b: int, memory: int | None) -> None:
+        label = f"  remat={policy} " if several else "  "
+        said = (
+            costs.format_bytes(memory)
+            if memory is not None
+            else "more than the device has (the compiler refused it)"
+        )
+        print(f"{label}per_device_batch_size={b}: {said}", file=sys.stderr, flush=True)
+
+    result = planning.max_batch(request, starting, progress)
+    if as_json:  # a search that found nothing still says what each size needed
+        print(json.dumps(result.to_json()))
+    result.check()
+    if as_json:
+        return 0
+    n, budget = len(request.devices), result.budget
+    for policy, search in result.searches:
+        remat = f" with remat={policy}" if several else ""
+        if search.cost is None:
+            print(f"max per_device_batch_size{remat}: none fits")
+            continue
+        ratio = search.cost.hardware_flops_per_step / search.cost.model_flops_per_step
+        print(
+            f"max per_device_batch_size={search.per_device_batch_size}{remat} on "
+            f"{n} devices: {costs.format_bytes(search.cost.memory_bytes)} of "
+            f"{costs.format_bytes(budget)}, {ratio:.2f} hardware FLOPs per model FLOP "
+            f"({search.compiles} compiles, {search.seconds:.1f} s, nothing executed)"
+        )
+    if several:
+        policy, best = result.best
+        print(
+            f"recommended: model.remat={policy} "
+            f"per_device_batch_size={best.per_device_batch_size} (the fewest hardware "
+            "FLOPs per model FLOP, then the largest per-device batch)"
+        )
+    return 0
