@@ -9,11 +9,62 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jaxkit.commands import common
+
 if TYPE_CHECKING:
     import jax
     import ml_collections
 
     from jaxkit import costs, planning
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    plan = sub.add_parser("plan", help="print the batch plan without training")
+    common.add_common(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    plan.add_argument(
+        "--all-splits",
+        action="store_true",
+        help="every valid (devices, per-device batch, accumulation) for the global batch, each "
+        "with its compiled per-device memory and FLOPs (compiles, runs nothing)",
+    )
+    plan.add_argument(
+        "--device-counts",
+        metavar="N,N,...",
+        help="device counts --all-splits considers (default: every divisor of the live count)",
+    )
+    plan.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="per-device memory to fit, e.g. 16GiB (default: the device's own, where JAX "
+        "reports it; CPUs report none)",
+    )
+    plan.add_argument(
+        "--max-per-device-batch",
+        action="store_true",
+        help="find the largest per-device batch under the memory budget by compile-only search",
+    )
+    plan.add_argument(
+        "--remat",
+        metavar="POLICY,...",
+        help="with --all-splits or --max-per-device-batch: the activation-recompute policies "
+        "to compare, of none, dots, full (default: the config's model.remat)",
+    )
+    plan.add_argument("--target", metavar="TARGET", help=common.TARGET_HELP)
+    return plan
+
+
+def ignored_option(opts: argparse.Namespace) -> str | None:
+    """A plan option this command line would ignore, said as a usage error."""
+    if opts.all_splits and opts.max_per_device_batch:
+        return "--all-splits and --max-per-device-batch are two modes: give one"
+    if opts.device_counts is not None and not opts.all_splits:
+        return "--device-counts applies only with --all-splits"
+    if opts.memory_budget is not None and not (opts.all_splits or opts.max_per_device_batch):
+        return "--memory-budget applies only with --all-splits or --max-per-device-batch"
+    if opts.remat is not None and not (opts.all_splits or opts.max_per_device_batch):
+        return "--remat applies only with --all-splits or --max-per-device-batch"
+    return None
 
 
 def model_line(m: dict[str, object]) -> str:
