@@ -1,5 +1,10 @@
 """The training loop: data in, micro-steps dispatched, metrics out.
 
+`train` sets up (mesh, plan, data, the compiled step, a resume), then steps: before and
+after each optimizer step and after each micro-step it hands over to the pieces of
+loop_pieces.py, one per concern (log, eval, checkpoints, profile, stop requests, the batch
+schedule, the input's prefetch), each saying when it is due.
+
 The loop stays one micro-step ahead of the devices: it dispatches micro-step n, then
 fetches micro-step n−1's metrics. Unbounded dispatch deadlocks simulated CPU devices, and
 that fetch is where non-finite losses are caught.
@@ -9,40 +14,54 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import NamedTuple
 
 import jax
 import ml_collections
-import tqdm
-from jax.experimental.multihost_utils import reached_preemption_sync_point
 
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit import peak as peak_lib
 from jaxkit.batch_plan import BatchPlan
-from jaxkit.batch_schedule import AUTO, AutoRamp, BatchSchedule, schedule_from_config
-from jaxkit.checkpoint import Checkpointer, position_of, resume
-from jaxkit.config import ConfigError, config_to_json, parse_profile_steps
+from jaxkit.batch_schedule import schedule_from_config
+from jaxkit.checkpoint import Checkpointer, Restored, resume
+from jaxkit.config import config_to_json
 from jaxkit.costs import StepPrograms
 from jaxkit.distributed import check_agreement
+from jaxkit.loop_pieces import (
+    AutoRampDecision,
+    BatchChange,
+    Batches,
+    Checkpoints,
+    Evaluation,
+    Log,
+    NewProgram,
+    Run,
+    StopRequests,
+    profiling,
+)
+from jaxkit.loop_pieces import evaluate as evaluate  # importable from here, as before
 from jaxkit.metrics import RunDir
-from jaxkit.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
-from jaxkit.prefetch import Prefetcher
+from jaxkit.noise_scale import has_two_batch_sizes
 from jaxkit.records import (
     StepInfo,
     StepTracker,
-    eval_record,
-    format_record,
     format_summary,
     summarize,
 )
-from jaxkit.resume import finished_summary, resume_events, saved_schedule
+from jaxkit.resume import (
+    Start,
+    finished_summary,
+    resume_events,
+    saved_plan,
+    starting_point,
+)
 from jaxkit.train_step import (
     Setup,
     TrainState,
@@ -50,7 +69,7 @@ from jaxkit.train_step import (
     check_on_mesh,
 )
 from jaxkit.validate import validate
-from jaxkit.workdir import as_path, is_local, profiler_can_write
+from jaxkit.workdir import as_path
 
 
 @dataclasses.dataclass
@@ -60,35 +79,6 @@ class RunResult:
     records: list[dict]  # every train and eval record, as written to metrics.jsonl
     summary: dict
     stopped: bool = False  # by SIGTERM/SIGINT (or stop_after_micro_steps), after saving
-
-
-def evaluate(
-    setup: Setup, params: Any, source: data_lib.Source, plan: BatchPlan, eval_examples: int
-) -> dict[str, float]:
-    """Weighted mean loss and accuracy over the targets of the first `eval_examples`
-    held-out rows (0 = all), each row counted once whatever the split: see
-    data.eval_batches."""
-    sums = {"loss_sum": 0.0, "accuracy_sum": 0.0, "weight": 0.0}  # float64 on the host
-
-    def take(result: Any) -> None:
-        for key, value in jax.device_get(result).items():
-            sums[key] += float(value)
-
-    pending = None
-    for batch in data_lib.eval_batches(source, plan, eval_examples, setup.batch_sharding):
-        result = setup.eval_step(params, batch)
-        if pending is not None:  # stay one call ahead, as the train loop does
-            take(pending)
-        pending = result
-    take(pending)
-    weight = sums["weight"]
-    if weight <= 0:
-        raise data_lib.DataError("the held-out rows have no scored target (every weight is 0)")
-    return {
-        "eval_loss": sums["loss_sum"] / weight,
-        "eval_accuracy": sums["accuracy_sum"] / weight,
-        "eval_examples": data_lib.eval_row_count(source, eval_examples),
-    }
 
 
 def train(
@@ -110,14 +100,73 @@ def train(
     run's micro-steps in all (counted across resumes) reach it (for tests and notebooks).
     """
     validate(config)  # every value, before any work (the CLI has checked them already)
-    t, seed = config.train, config.train.seed
-    profile = parse_profile_steps(t.profile_steps, t.steps)
-    if profile and (workdir is None or not profiler_can_write(workdir)):
-        raise ConfigError(
-            "train.profile_steps writes to WORKDIR/profile/: give a workdir (a local path or gs://)"
-        )
+    profile = profiling(config, workdir)
     if jax.process_index() != 0:  # one voice: only process 0 prints and writes
         echo, progress = (lambda *args: None), False
+    parts = _set_up(config, devices, echo)
+    checkpointer, restored = _resume(config, workdir, parts, echo, allow_batch_change, allow_longer)
+    # Compiled once, ahead of time (once per K in fused mode), after the resume's checks so
+    # that a refused resume costs no compile: the loop calls these executables, and their
+    # cost analysis gives the FLOPs behind throughput and MFU.
+    programs = StepPrograms(config, parts.setup)
+    cost = programs.get(parts.plan)[1]
+    tracker = StepTracker(config, parts.plan, parts.setup, cost, _peak(config, parts.mesh))
+    start = starting_point(config, parts.shape, parts.setup, parts.plan, restored, tracker, echo)
+    saved_events = restored.meta["loop"].get("events", []) if restored else []
+    if start.position.step >= start.schedule.total_steps and workdir is not None:
+        if checkpointer:
+            checkpointer.close()
+        summary = finished_summary(
+            config, start, workdir, saved_events, tracker, parts.eval_source, echo
+        )
+        return RunResult(plan=start.plan, state=start.state, records=[], summary=summary)
+    # What changed at this resume: logged once, and kept in the checkpoints saved at this
+    # step, so that a later resume from one of them keeps them in the log.
+    events = resume_events(restored, config, start.schedule, parts.shape) if restored else []
+    run_dir = _open_run_dir(workdir, config, start, saved_events, events)
+    checkpoints = Checkpoints(checkpointer, config, parts.data_facts)
+    t = config.train
+    pieces = [
+        Log(t.log_every),
+        NewProgram(),
+        *profile,
+        StopRequests(stop_after_micro_steps),
+        Evaluation(t.eval_every, t.eval_examples, parts.eval_source),
+        AutoRampDecision(t.log_every),
+        BatchChange(),
+        checkpoints,
+    ]
+    batches = Batches(config, start.setup, parts.train_source)
+    run = Run(config, start, programs, tracker, batches, echo, progress, run_dir, events, pieces)
+    _train_steps(run)
+    if run.stop_signal:
+        echo(checkpoints.stop_message(run.stop_signal, run.step_plan.grad_accum_steps))
+        return RunResult(
+            plan=start.plan, state=run.state, records=run.records, summary={}, stopped=True
+        )
+    summary = _summary(run, parts.eval_source, checkpoints)
+    return RunResult(plan=start.plan, state=run.state, records=run.records, summary=summary)
+
+
+class _Parts(NamedTuple):
+    """What set-up makes before a resume is considered."""
+
+    mesh: jax.sharding.Mesh
+    shape: dict[str, int]
+    plan: BatchPlan  # the schedule's first
+    setup: Setup
+    train_source: data_lib.Source
+    eval_source: data_lib.Source
+    data_facts: dict  # what a checkpoint must be resumed on
+
+
+def _set_up(
+    config: ml_collections.ConfigDict,
+    devices: Sequence[jax.Device] | None,
+    echo: Callable[[str], None],
+) -> _Parts:
+    """The mesh, the batch schedule's first plan (printed), the data and the step, checked
+    to agree across processes."""
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     shape = mesh_lib.mesh_shape(mesh)
     check_on_mesh(config, shape)
@@ -129,396 +178,149 @@ def train(
     data_facts = data_lib.data_facts(train_source, eval_source)
     setup = build(config, plan, mesh, schedule)
     check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
-    fused = setup.accumulation == "fused"
-
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())
     note = getattr(train_source, "note", None)  # how token files were read, where it matters
     if note:
         echo(note)
+    return _Parts(mesh, shape, plan, setup, train_source, eval_source, data_facts)
 
-    checkpointer, restored = None, None
-    if workdir is not None:
-        checkpointer = Checkpointer(
-            as_path(workdir) / "checkpoints", config.checkpoint.keep, warn=echo
-        )
-        restored = resume(
-            checkpointer,
-            setup,
-            config,
-            lambda meta: saved_schedule(config, shape, meta).plan_at(position_of(meta).examples),
-            allow_batch_change=allow_batch_change,
-            allow_longer=allow_longer,
-            echo=echo,
-            data=data_facts,
-        )
-    # Compiled once, ahead of time (once per K in fused mode), after the resume's checks so
-    # that a refused resume costs no compile: the loop calls these executables, and their
-    # cost analysis gives the FLOPs behind throughput and MFU.
-    programs = StepPrograms(config, setup)
-    cost = programs.get(plan)[1]
-    peak = None
-    if jax.process_index() == 0:  # only process 0 reports
-        # A table peak in the matmuls' dtype (CPUs measure their own, in float32).
-        peak = peak_lib.device_peak(
-            mesh.local_devices, config.model.get("compute_dtype", "float32")
-        )
-    tracker = StepTracker(config, plan, setup, cost, peak)
 
-    position = data_lib.Position()
-    ramp = AutoRamp()
-    if restored is not None:
-        state, position = restored.state, restored.position
-        schedule = saved_schedule(config, shape, restored.meta)
-        setup = dataclasses.replace(setup, schedule=schedule)
-        ramp = AutoRamp.load(restored.meta["loop"].get("batch_schedule"))
-        tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
-    else:
-        state = setup.init(jax.random.key(seed))
-    if schedule.plan_at(position.examples) != plan:
-        # The plan in force where this run starts: a resume in a later stage.
-        plan = schedule.plan_at(position.examples)
-        echo(f"resuming in a later stage of the batch schedule; its plan:\n{plan.table()}")
-    if schedule.kind != "fixed":  # as laid from where this run starts
-        echo(f"batch schedule ({schedule.kind}):")
-        echo(schedule.table())
-    total = schedule.total_steps
-    if position.step >= total and workdir is not None:
-        if checkpointer:
-            checkpointer.close()
-        saved_events = restored.meta["loop"].get("events", []) if restored else []
-        summary = finished_summary(
-            config, schedule, workdir, position, saved_events, tracker, eval_source, echo
-        )
-        return RunResult(
-            plan=schedule.plan_at(position.examples), state=state, records=[], summary=summary
-        )
-
-    # What changed at this resume: logged once, and kept in the checkpoints saved at this
-    # step, so that a later resume from one of them keeps them in the log.
-    events = resume_events(restored, config, schedule, shape) if restored else []
-    run_dir = None
-    if workdir is not None and jax.process_index() == 0:
-        # Whatever an earlier attempt logged past the step this run starts from goes.
-        saved_events = restored.meta["loop"].get("events", []) if restored else []
-        run_dir = RunDir(workdir, resume_after_step=position.step, saved_events=saved_events)
-        run_dir.write_json("config.json", config_to_json(config))
-        ramped = schedule.kind != "fixed"
-        plan_json = plan.to_json() | ({"batch_schedule": schedule.to_json()} if ramped else {})
-        run_dir.write_json("plan.json", plan_json)
-        table = plan.table() + ("\n\n" + schedule.table() if ramped else "")
-        run_dir.write_text("plan", "\n".join("    " + line for line in table.splitlines()))
-        run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
-        for event in events:
-            run_dir.log_once(event)  # not twice: the checkpoint may hold it already
-        # A summary belongs to a finished run; this one is not (again, or yet).
-        (as_path(workdir) / "summary.json").unlink(missing_ok=True)
-    records: list[dict] = []
-
-    def emit(record: dict) -> None:
-        records.append(record)
-        if run_dir:
-            run_dir.log(record)
-        (bar.write if progress else echo)(format_record(record))
-
-    kept_micro = 0  # micro-steps in a checkpoint of the same step that a save found on disk
-
-    def save(at: data_lib.Position, at_plan: BatchPlan, *, wait: bool = False) -> bool:
-        """Saves the state at `at`, whose next micro-step runs under `at_plan`."""
-        nonlocal kept_micro
-        if checkpointer is None:
-            return False
-        meta = {"config": config_to_json(config), "plan": at_plan.to_json(), "data": data_facts}
-        loop_state = tracker.loop_state(at)
-        loop_state["events"] = [e for e in events if e["step"] == at.step]
-        loop_state["batch_schedule"] = schedule.state(at.step, at.examples) | ramp.state()
-        saved = checkpointer.save(at, state, dict(meta, loop=loop_state), wait=wait)
-        if not saved:
-            kept_micro = int(checkpointer.read_meta(at.step)["loop"].get("micro", 0))
-        return saved
-
-    def load(key: tuple[int, int], at_plan: BatchPlan) -> dict[str, jax.Array]:
-        """The batch of micro-step `micro` (fused: the whole step) of the optimizer step
-        that starts reading at stream example `first`."""
-        first, micro = key
-        if fused:
-            return data_lib.load_global_batch(
-                train_source, first, at_plan, seed, setup.fused_batch_sharding, normalisation
-            )
-        return data_lib.load_micro_batch(
-            train_source, first, micro, at_plan, seed, setup.batch_sharding, normalisation
-        )
-
-    def small_batch_grad_sq(at: Setup, now: TrainState, first: int) -> jax.Array | None:
-        """The noise scale's small-batch |gradient|² at the params the step starting at
-        `first` began from (unchanged until its last call), dispatched before that call."""
-        rows = data_lib.load_small_batch(
-            train_source, first, SMALL_BATCH_ROWS, seed, at.small_batch_sharding
-        )
-        return None if rows is None else at.small_batch_grad_sq(now.params, rows)
-
-    def upcoming(
-        step: int, first: int, micro: int, at_plan: BatchPlan
-    ) -> Iterator[tuple[tuple[int, int], BatchPlan]]:
-        """The batches after this one, under the batch schedule as it stands."""
-        while True:
-            micro += 1
-            if fused or micro == at_plan.grad_accum_steps:
-                step, first = step + 1, first + at_plan.global_batch_size
-                if step >= total:
-                    return
-                at_plan = schedule.plan_at(first)
-                micro = at_plan.grad_accum_steps - 1 if fused else 0
-            yield (first, micro), at_plan
-
-    normalisation = t.loss_normalisation
-    prefetcher = Prefetcher(load, depth=t.prefetch)
-    start = time.perf_counter()
-    bar = tqdm.tqdm(
-        total=total,
-        initial=position.step,
-        unit="step",
-        disable=not progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
-    )
-    pending = None  # (step, micro, metrics, step info) dispatched but not yet fetched
-
-    def finish(fetched: tuple) -> None:
-        step, micro, metrics, info = fetched
-        record = tracker.micro_step_done(step, micro, metrics, info)
-        if record is None:
-            return
-        bar.update(1)
-        if record["loss"] is not None:  # None: the step scored no target
-            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-        if record["step"] % t.log_every == 0 or record["step"] == total:
-            emit(record)
-            tracker.close_window()
-
-    def drain() -> None:
-        """Waits for the last dispatched micro-step and takes its metrics."""
-        nonlocal pending
-        if pending is not None:
-            finish(pending)
-            pending = None
-
-    profile_dir = as_path(workdir) / "profile" if workdir is not None else None
-    tracing, stop_signal, stopped_at, saved = False, None, position, False
-    examples = position.examples  # where the current optimizer step starts reading
-    micro_steps = int(jax.device_get(state.micro_step))  # in all, across resumes
-    # With several processes, JAX's preemption service takes SIGTERM and agrees on the
-    # micro-step at which every process stops, so all save the same checkpoint.
-    multi_process = jax.process_count() > 1
-    tracker.restart_clock()  # the first step's time starts here, not at set-up
-    step, step_plan = position.step, plan
-    with _stop_requests(handle_sigterm=not multi_process) as stop:
-        try:
-            while step < total:
-                step_plan = schedule.plan_at(examples)
-                accum_steps = step_plan.grad_accum_steps
-                if not programs.has(step_plan):  # fused: a new K is a new program
-                    drain()
-                    programs.get(step_plan)
-                    tracker.restart_clock()  # the compile is no step's time
-                step_fn, cost = programs.get(step_plan)
-                hyper = setup.hyper(step_plan, examples)
-                # What the step scores: a global batch of prompts only has no loss.
-                scored = data_lib.step_weight(
-                    train_source, examples, step_plan.global_batch_size, seed
-                )
-                info = StepInfo(step_plan, float(hyper.learning_rate), cost, scored)
-                if profile and step == profile[0] and profile_dir is not None:
-                    drain()  # the trace starts with the devices idle, at a step boundary
-                    # JAX converts to Perfetto with pathlib, local paths only (jax#19263).
-                    perfetto = is_local(profile_dir)
-                    jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=perfetto)
-                    tracing = True
-                with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    first_micro = position.micro if step == position.step else 0
-                    # Fused accumulation makes a whole optimizer step in one call.
-                    micros = [accum_steps - 1] if fused else range(first_micro, accum_steps)
-                    for micro in micros:
-                        batch = prefetcher.get(
-                            (examples, micro), step_plan, upcoming(step, examples, micro, step_plan)
-                        )
-                        small = None
-                        if micro == accum_steps - 1 and has_two_batch_sizes(
-                            step_plan.global_batch_size
-                        ):
-                            small = small_batch_grad_sq(setup, state, examples)
-                        state, metrics = step_fn(state, batch, hyper)
-                        if small is not None:  # the step's last call carries it
-                            metrics = dict(metrics, small_grad_sq=small)
-                        if pending is not None:
-                            finish(pending)
-                        pending = (step, micro, metrics, info)
-                        micro_steps += accum_steps if fused else 1
-                        if (
-                            stop_after_micro_steps is not None
-                            and micro_steps >= stop_after_micro_steps
-                            and not stop
-                        ):
-                            stop.append("stop_after_micro_steps")
-                        # A preemption notice reached every process: all stop here.
-                        if (
-                            multi_process
-                            and not stop
-                            and reached_preemption_sync_point(micro_steps)
-                        ):
-                            stop.append("SIGTERM")
-                        if stop and micro < accum_steps - 1:  # mid-step: save right here
-                            stop_signal = stop[0]
-                            drain()
-                            stopped_at = data_lib.Position(step, examples, micro + 1)
-                            saved = save(stopped_at, step_plan, wait=True)
-                            break
-                    if stop_signal:
-                        break
-                examples += step_plan.global_batch_size
-                done = step + 1
-                if tracing and profile and done == profile[1]:
-                    drain()
-                    jax.profiler.stop_trace()
-                    tracing = False
-                    echo(f"profile of optimizer steps {profile[0]}:{profile[1]} in {profile_dir}")
-                    tracker.restart_clock()
-                if done == total or (t.eval_every and done % t.eval_every == 0):
-                    drain()  # evaluate these params before the next step changes them
-                    result = evaluate(setup, state.params, eval_source, step_plan, t.eval_examples)
-                    emit(eval_record(done, step_plan, result, tracker))
-                    tracker.restart_clock()
-                if schedule.kind == AUTO and done < total and done % t.log_every == 0:
-                    drain()  # the decision reads this window's noise scale
-                    noise = tracker.noise_scale.estimate().get("noise_scale")
-                    schedule = ramp.decide(schedule, noise, done, examples)
-                    setup = dataclasses.replace(setup, schedule=schedule)
-                    total = schedule.total_steps
-                    bar.total = total
-                next_plan = schedule.plan_at(examples)
-                if done < total and next_plan.global_batch_size != step_plan.global_batch_size:
-                    drain()  # the log reads in order: this step's record, then the change
-                    event = batch_change_event(
-                        done, examples, step_plan, next_plan, schedule, ramp.last_noise_scale
-                    )
-                    events.append(event)
-                    if run_dir:
-                        run_dir.log(event)
-                    echo(format_batch_change(event))
-                every = config.checkpoint.every
-                if stop or done == total or (every and done % every == 0):
-                    drain()  # the saved loop state must include this step's losses
-                    stopped_at = data_lib.Position(done, examples, 0)
-                    saved = save(stopped_at, next_plan, wait=bool(stop) or done == total)
-                    if stop and done < total:  # a stop at the last step just finishes
-                        stop_signal = stop[0]
-                        break
-                step = done
-        finally:
-            prefetcher.close()
-            if tracing:
-                jax.profiler.stop_trace()
-            bar.close()
-            if checkpointer:
-                checkpointer.close()  # waits for a save still being written
-            if run_dir:
-                run_dir.close()
-    if stop_signal:
-        echo(
-            _stop_message(
-                stop_signal, stopped_at, saved, kept_micro, checkpointer, step_plan.grad_accum_steps
-            )
-        )
-        return RunResult(plan=plan, state=state, records=records, summary={}, stopped=True)
-    summary = summarize(
+def _resume(
+    config: ml_collections.ConfigDict,
+    workdir: str | os.PathLike | None,
+    parts: _Parts,
+    echo: Callable[[str], None],
+    allow_batch_change: bool,
+    allow_longer: bool,
+) -> tuple[Checkpointer | None, Restored | None]:
+    """The workdir's checkpoints, and the latest restored onto this run's mesh and plan (None:
+    a fresh start), as `checkpoint.resume` allows."""
+    if workdir is None:
+        return None, None
+    keep = config.checkpoint.keep
+    checkpointer = Checkpointer(as_path(workdir) / "checkpoints", keep, warn=echo)
+    plan_at = functools.partial(saved_plan, config, parts.shape)
+    restored = resume(
+        checkpointer,
+        parts.setup,
         config,
-        step_plan,
-        records,
-        tracker,
+        plan_at,
+        allow_batch_change=allow_batch_change,
+        allow_longer=allow_longer,
+        echo=echo,
+        data=parts.data_facts,
+    )
+    return checkpointer, restored
+
+
+def _peak(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> peak_lib.Peak | None:
+    """The devices' peak FLOP/s behind MFU, on process 0 (only it reports)."""
+    if jax.process_index() != 0:
+        return None
+    # A table peak in the matmuls' dtype (CPUs measure their own, in float32).
+    return peak_lib.device_peak(mesh.local_devices, config.model.get("compute_dtype", "float32"))
+
+
+def _open_run_dir(
+    workdir: str | os.PathLike | None,
+    config: ml_collections.ConfigDict,
+    start: Start,
+    saved_events: Sequence[dict],
+    events: Sequence[dict],
+) -> RunDir | None:
+    """The run's files, on process 0: the config and the plan as this attempt runs them,
+    and the log up to where it starts."""
+    if workdir is None or jax.process_index() != 0:
+        return None
+    # Whatever an earlier attempt logged past the step this run starts from goes.
+    run_dir = RunDir(workdir, resume_after_step=start.position.step, saved_events=saved_events)
+    run_dir.write_json("config.json", config_to_json(config))
+    plan, schedule = start.plan, start.schedule
+    ramped = schedule.kind != "fixed"
+    plan_json = plan.to_json() | ({"batch_schedule": schedule.to_json()} if ramped else {})
+    run_dir.write_json("plan.json", plan_json)
+    table = plan.table() + ("\n\n" + schedule.table() if ramped else "")
+    run_dir.write_text("plan", "\n".join("    " + line for line in table.splitlines()))
+    run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
+    for event in events:
+        run_dir.log_once(event)  # not twice: the checkpoint may hold it already
+    # A summary belongs to a finished run; this one is not (again, or yet).
+    (as_path(workdir) / "summary.json").unlink(missing_ok=True)
+    return run_dir
+
+
+def _summary(run: Run, eval_source: data_lib.Source, checkpoints: Checkpoints) -> dict:
+    """The finished attempt's summary: written to summary.json and printed."""
+    schedule = run.schedule
+    summary = summarize(
+        run.config,
+        run.step_plan,
+        run.records,
+        run.tracker,
         eval_source,
-        time.perf_counter() - start,
-        total,
+        time.perf_counter() - run.started,
+        run.total,
         schedule.to_json() if schedule.changes_batch else None,
     )
-    # The input pipeline's time on the critical path, and the part of it after the first
-    # batch (which nothing loads ahead): 0 when loading keeps ahead of the devices.
-    summary["input_wait_s"] = prefetcher.waited_s
-    summary["input_wait_after_first_s"] = prefetcher.waited_s - prefetcher.first_wait_s
-    if checkpointer:
-        summary["checkpoint_blocking_s"] = checkpointer.blocking_s
-        summary["checkpoints_saved"] = checkpointer.saves
+    summary |= run.batches.summary() | checkpoints.summary()
     # `steps` counts the run's optimizer steps in all; the timings are this attempt's.
-    summary["steps_this_attempt"] = total - position.step
-    if run_dir:
-        run_dir.write_json("summary.json", summary)
-    echo(format_summary(summary))
-    return RunResult(plan=plan, state=state, records=records, summary=summary)
+    summary["steps_this_attempt"] = run.total - run.start.position.step
+    if run.run_dir:
+        run.run_dir.write_json("summary.json", summary)
+    run.echo(format_summary(summary))
+    return summary
 
 
-def batch_change_event(
-    done: int,
-    examples: int,
-    before: BatchPlan,
-    after: BatchPlan,
-    schedule: BatchSchedule,
-    noise_scale: float | None,
-) -> dict:
-    """A stage of the batch schedule begins after optimizer step `done`."""
-    event = {
-        "event": "batch_change",
-        "step": done,
-        "examples_seen": examples,
-        "reason": "auto" if schedule.kind == AUTO else "schedule",
-        "from_global_batch_size": before.global_batch_size,
-        "global_batch_size": after.global_batch_size,
-        "from_grad_accum_steps": before.grad_accum_steps,
-        "grad_accum_steps": after.grad_accum_steps,
-        "peak_learning_rate": after.learning_rate,
-    }
-    if schedule.kind == AUTO:
-        event["noise_scale"] = noise_scale  # the smoothed B_simple that decided it
-    if after.seq_len is not None:
-        event["tokens_seen"] = examples * after.seq_len
-    return event
+def _train_steps(run: Run) -> None:
+    """Optimizer steps until the last or a stop, each concern handed to its piece."""
+    run.tracker.restart_clock()  # the first step's time starts here, not at set-up
+    # With several processes, JAX's preemption service takes SIGTERM (StopRequests).
+    with _stop_requests(handle_sigterm=jax.process_count() == 1) as run.stop_requests:
+        try:
+            while run.step < run.total:
+                run.step_plan = run.schedule.plan_at(run.examples)
+                run.hand_over("start")
+                if not _optimizer_step(run):
+                    break  # stopped between two micro-steps of the step, saved there
+                run.step += 1
+                run.examples += run.step_plan.global_batch_size
+                run.hand_over("end")
+                if run.stop_signal:
+                    break
+        finally:
+            run.close()
 
 
-def format_batch_change(event: dict) -> str:
-    why = (
-        f"B_simple ≈ {event['noise_scale']:,.0f} above the batch"
-        if event["reason"] == "auto"
-        else "batch.schedule"
-    )
-    return (
-        f"step {event['step']:>6}  global batch {event['from_global_batch_size']} -> "
-        f"{event['global_batch_size']} (grad_accum_steps {event['from_grad_accum_steps']} -> "
-        f"{event['grad_accum_steps']}) at example {event['examples_seen']:,}: {why}"
-    )
-
-
-def _stop_message(
-    signal_name: str,
-    at: data_lib.Position,
-    saved: bool,
-    kept_micro: int,
-    checkpointer: Checkpointer | None,
-    accum_steps: int,
-) -> str:
-    if checkpointer is None:
-        return f"stopped by {signal_name}; no workdir, nothing saved"
-    where = f"optimizer step {at.step}"
-    if at.micro:
-        where += f" + {at.micro} of {accum_steps} micro-steps"
-    if saved:
-        return (
-            f"stopped by {signal_name}: saved checkpoint step_{at.step} at {where}; "
-            "run the same command to resume"
-        )
-    return (
-        f"stopped by {signal_name}: checkpoint step_{at.step} was already saved and is kept; "
-        f"stopped at {where} (resuming redoes the {at.micro - kept_micro} micro-steps since, "
-        "exactly); "
-        "run the same command to resume"
-    )
+def _optimizer_step(run: Run) -> bool:
+    """Dispatches optimizer step `run.step`'s micro-steps (fused: one call), each a
+    micro-step ahead of the fetch of its metrics; False if a stop came between them."""
+    plan, setup = run.step_plan, run.setup
+    accum_steps = plan.grad_accum_steps
+    step_fn, cost = run.programs.get(plan)
+    hyper = setup.hyper(plan, run.examples)
+    info = StepInfo(plan, float(hyper.learning_rate), cost, run.batches.scored(run.examples, plan))
+    with jax.profiler.StepTraceAnnotation("train", step_num=run.step):
+        first_micro = run.start.position.micro if run.step == run.start.position.step else 0
+        # Fused accumulation makes a whole optimizer step in one call.
+        micros = [accum_steps - 1] if run.batches.fused else range(first_micro, accum_steps)
+        for micro in micros:
+            run.micro = micro
+            batch = run.batches.get(run)
+            small = None
+            if micro == accum_steps - 1 and has_two_batch_sizes(plan.global_batch_size):
+                small = run.batches.small_batch_grad_sq(run)
+            run.state, metrics = step_fn(run.state, batch, hyper)
+            if small is not None:  # the step's last call carries it
+                metrics = dict(metrics, small_grad_sq=small)
+            if run.pending is not None:
+                run.take(run.pending)
+            run.pending = (run.step, micro, metrics, info)
+            run.micro_steps += accum_steps if run.batches.fused else 1
+            run.hand_over("micro")
+            if run.stop_signal:
+                return False
+    return True
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ one-stage history.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -17,14 +18,57 @@ import jax
 import ml_collections
 
 from jaxkit import data as data_lib
-from jaxkit.batch_plan import BatchPlanError
-from jaxkit.batch_schedule import BatchSchedule, schedule_from_config
+from jaxkit.batch_plan import BatchPlan, BatchPlanError
+from jaxkit.batch_schedule import AutoRamp, BatchSchedule, schedule_from_config
 from jaxkit.checkpoint import Restored, position_of
 from jaxkit.config import LM_KINDS
 from jaxkit.layers import LM_DEFAULTS, lm_option
 from jaxkit.metrics import truncate_metrics
 from jaxkit.records import StepTracker, summarize
+from jaxkit.train_step import Setup, TrainState
 from jaxkit.workdir import as_path, write_text_atomic
+
+
+@dataclasses.dataclass
+class Start:
+    """Where an attempt starts training, fresh or from a checkpoint."""
+
+    state: TrainState
+    position: data_lib.Position
+    schedule: BatchSchedule  # as laid from here on, after the history a checkpoint recorded
+    setup: Setup  # with that schedule
+    ramp: AutoRamp  # an auto ramp's windows and decisions so far
+    plan: BatchPlan  # in force at `position`
+
+
+def starting_point(
+    config: ml_collections.ConfigDict,
+    shape: dict[str, int],
+    setup: Setup,
+    plan: BatchPlan,
+    restored: Restored | None,
+    tracker: StepTracker,
+    echo: Callable[[str], None],
+) -> Start:
+    """A fresh state at the schedule's first `plan`, or the checkpoint's: its schedule, auto
+    ramp and tracker's loop state as recorded (the tracker is loaded here)."""
+    schedule, position, ramp = setup.schedule, data_lib.Position(), AutoRamp()
+    if restored is not None:
+        state, position = restored.state, restored.position
+        schedule = saved_schedule(config, shape, restored.meta)
+        setup = dataclasses.replace(setup, schedule=schedule)
+        ramp = AutoRamp.load(restored.meta["loop"].get("batch_schedule"))
+        tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
+    else:
+        state = setup.init(jax.random.key(config.train.seed))
+    if schedule.plan_at(position.examples) != plan:
+        # The plan in force where this run starts: a resume in a later stage.
+        plan = schedule.plan_at(position.examples)
+        echo(f"resuming in a later stage of the batch schedule; its plan:\n{plan.table()}")
+    if schedule.kind != "fixed":  # as laid from where this run starts
+        echo(f"batch schedule ({schedule.kind}):")
+        echo(schedule.table())
+    return Start(state, position, schedule, setup, ramp, plan)
 
 
 def saved_schedule(
@@ -35,6 +79,11 @@ def saved_schedule(
     at = position_of(meta)
     saved = meta["loop"].get("batch_schedule") or _legacy_history(meta, config)
     return schedule_from_config(config, shape, saved, (at.step, at.examples))
+
+
+def saved_plan(config: ml_collections.ConfigDict, shape: dict[str, int], meta: dict) -> BatchPlan:
+    """This config's plan at a checkpoint's position (a batch schedule's stage there)."""
+    return saved_schedule(config, shape, meta).plan_at(position_of(meta).examples)
 
 
 def _legacy_history(meta: dict, config: ml_collections.ConfigDict) -> dict:
@@ -157,9 +206,8 @@ def _course(schedule: BatchSchedule) -> tuple:
 
 def finished_summary(
     config: ml_collections.ConfigDict,
-    schedule: BatchSchedule,
+    start: Start,
     workdir: str | os.PathLike,
-    position: data_lib.Position,
     saved_events: Sequence[dict],
     tracker: StepTracker,
     eval_source: data_lib.Source,
@@ -169,6 +217,7 @@ def finished_summary(
     that finished without its summary (killed between the last checkpoint and the summary,
     or extended by --allow-longer and abandoned) gets one from its log, up to its
     checkpoint."""
+    schedule, position = start.schedule, start.position
     echo(f"{workdir} holds a finished run of {position.step} steps; nothing to do")
     plan = schedule.plan_at(position.examples)
     summary_file = as_path(workdir) / "summary.json"

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from jaxkit import loop as loop_lib
-from jaxkit import noise_scale
+from jaxkit import loop_pieces, noise_scale
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import Checkpointer, CheckpointError, abstract_state, empty_accumulator
 from jaxkit.config import apply_overrides, load_config
@@ -474,14 +474,14 @@ class CrashError(RuntimeError):
 
 def crash_at_step(monkeypatch, step):
     """Makes the run die (as kill -9 would, for what is on disk) when it logs `step`."""
-    real = loop_lib.format_record
+    real = loop_pieces.format_record
 
     def format_record(record):
         if record.get("step") == step and "loss" in record:
             raise CrashError(f"crashed at step {step}")
         return real(record)
 
-    monkeypatch.setattr(loop_lib, "format_record", format_record)
+    monkeypatch.setattr(loop_pieces, "format_record", format_record)
 
 
 def test_an_abandoned_extension_leaves_the_finished_run_as_it_was(tmp_path, monkeypatch):
