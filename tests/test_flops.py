@@ -136,7 +136,7 @@ def test_the_recommendation_weighs_recomputation_before_batch_size():
 
 
 def test_plan_compares_remat_policies_per_split(tmp_path):
-    from test_cli import jaxkit
+    from cli_run import jaxkit  # in-process: what the plan prints, not a process
 
     tiny = ["model.d_model=32", "model.mlp_dim=48", "data.seq_len=32", "data.max_bytes=60000"]
     args = [

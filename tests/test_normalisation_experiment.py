@@ -40,13 +40,6 @@ def padded(tmp_path_factory):
     return padded_prompt_completion(tmp_path_factory.mktemp("prompt_completion"))
 
 
-@pytest.fixture
-def compile_cache(tmp_path, monkeypatch):
-    """A compilation cache for the CLI processes this test starts (not this one's JAX)."""
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "compile-cache"))
-    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-
-
 def first_step_losses(overrides, accums):
     """Step 1's exact loss and each K's naive one, from the initial params' forward pass on
     the global batch: Σ w·loss / Σ w, and the mean over K micro-batches of the same."""
@@ -73,7 +66,7 @@ def first_step_losses(overrides, accums):
     return row_loss.sum() / row_weight.sum(), naive
 
 
-def test_naive_drifts_with_k_on_padded_rows_and_exact_does_not(padded, tmp_path, compile_cache):
+def test_naive_drifts_with_k_on_padded_rows_and_exact_does_not(padded, tmp_path):
     out = tmp_path / "norm"
     done = jaxkit(
         "experiment", "normalisation", "lm_tiny", *SMALL, *padded,
@@ -143,7 +136,7 @@ def test_naive_drifts_with_k_on_padded_rows_and_exact_does_not(padded, tmp_path,
     assert (out / "loss_curves.png").stat().st_size > 0
 
 
-def test_on_rows_that_weigh_the_same_the_report_says_naive_equals_exact(tmp_path, compile_cache):
+def test_on_rows_that_weigh_the_same_the_report_says_naive_equals_exact(tmp_path):
     out = tmp_path / "norm"
     done = jaxkit(
         "experiment", "normalisation", "lm_tiny", *SMALL,

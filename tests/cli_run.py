@@ -1,0 +1,56 @@
+"""`jaxkit ARGS` in this process: what `python -m jaxkit ARGS` does, minus the 3-4 s a new
+process spends starting Python and importing JAX, flax and optax.
+
+For claims about what a command prints, writes and returns. Claims about a process (the
+console script, signals, a device count set before JAX starts, several processes) keep a
+real one: `test_cli.jaxkit`.
+"""
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+
+from jaxkit import cli, compile_cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What a command may change for the rest of the process, and the tests after it would see:
+# JAX's platform and device count (set by _start_jax), its compile cache (--no-compile-cache
+# turns it off) and the kit's plan cache.
+_JAX_OPTIONS = (
+    "jax_platforms",
+    "jax_num_cpu_devices",
+    "jax_enable_compilation_cache",
+    "jax_compilation_cache_dir",
+)
+
+
+def jaxkit(*args: str) -> subprocess.CompletedProcess[str]:
+    """Runs `jaxkit ARGS` from the repository root, as test_cli.jaxkit's process does, and
+    returns its exit status, stdout and stderr as that process would."""
+    if "--host-devices" in args:
+        raise ValueError("--host-devices sets the device count before JAX starts: use a process")
+    out, err = io.StringIO(), io.StringIO()
+    options = {name: getattr(jax.config, name) for name in _JAX_OPTIONS}
+    plans, cwd, path = compile_cache.plans_enabled, os.getcwd(), list(sys.path)
+    show = warnings.showwarning
+    try:
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exit_:  # argparse's usage errors
+                code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+        compile_cache.plans_enabled = plans
+        warnings.showwarning = show
+        for name, value in options.items():
+            if getattr(jax.config, name) != value:
+                jax.config.update(name, value)
+    return subprocess.CompletedProcess(["jaxkit", *args], code, out.getvalue(), err.getvalue())
