@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from cli_run import jaxkit  # in-process: what the command prints and writes
 from flax import nnx
-from test_cli import jaxkit
 
 from jaxkit import costs, peak
 from jaxkit.batch_schedule import plan_from_config

@@ -196,7 +196,7 @@ def test_noise_scale_reports_a_critical_batch(tmp_path):
 
 
 def test_the_cli_writes_the_report_and_exits_2_on_a_bad_request(tmp_path):
-    from test_cli import jaxkit
+    from cli_run import jaxkit  # in-process: what the command prints and writes
 
     out = jaxkit(
         "experiment",

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import optax
 import pytest
+from cli_run import jaxkit  # in-process: what the command prints and writes
 from flax import nnx
 from small_configs import SMALL_LM
-from test_cli import jaxkit
 from test_equivalence import LOSS_RTOL
 from test_experiments import _rows
 from token_dirs import padded_prompt_completion
