@@ -1,4 +1,6 @@
-"""The CLI end to end, through subprocesses as a user runs it."""
+"""The CLI end to end, as a user runs it: in a new process where the claim is about one (a
+run from the command line, signals, a device count set before JAX starts), in this one where
+it is about what a command prints, writes and returns (tests/cli_run.py)."""
 
 import json
 import os
@@ -6,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import cli_run
 import pytest
 
 from jaxkit import cli as cli_lib
@@ -25,8 +28,14 @@ def jaxkit(*args, timeout=300):
     )
 
 
+def run(*args):
+    """`jaxkit ARGS` in this process (tests/cli_run.py), or in a new one where the line sets
+    a device count, which only a process that has not started JAX can do."""
+    return jaxkit(*args) if "--host-devices" in args else cli_run.jaxkit(*args)
+
+
 def test_plan_json_on_a_good_config():
-    out = jaxkit("plan", "lm_tiny", "--host-devices", "4", "--json")
+    out = run("plan", "lm_tiny", "--host-devices", "4", "--json")
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["mesh_shape"] == {"data": 4, "fsdp": 1, "tensor": 1}
@@ -40,7 +49,7 @@ def test_plan_json_on_a_good_config():
 
 
 def test_plan_table_and_overrides():
-    out = jaxkit(
+    out = run(
         "plan",
         "mlp_digits",
         "batch.per_device_batch_size=null",
@@ -56,21 +65,19 @@ def test_plan_table_and_overrides():
 
 
 def test_plan_errors_exit_nonzero_with_the_reason():
-    bad = jaxkit(
-        "plan", "mlp_digits", "batch.global_batch_size=30", "--host-devices", "8", "--json"
-    )
+    bad = run("plan", "mlp_digits", "batch.global_batch_size=30", "--host-devices", "8", "--json")
     assert bad.returncode == 2 and bad.stdout == ""
     assert "data_parallel_size × per_device_batch_size × grad_accum_steps" in bad.stderr
     assert "32, 64" in bad.stderr
-    typo = jaxkit("plan", "mlp_digits", "batch.per_device=4")
+    typo = run("plan", "mlp_digits", "batch.per_device=4")
     assert typo.returncode == 2 and "batch.per_device_batch_size" in typo.stderr
-    mesh = jaxkit("plan", "mlp_digits", "mesh.data=3", "--host-devices", "8")
+    mesh = run("plan", "mlp_digits", "mesh.data=3", "--host-devices", "8")
     assert mesh.returncode == 2 and "8 are available" in mesh.stderr
 
 
 def test_train_refuses_data_too_small_before_training(tmp_path):
     # 8,000 bytes: 7,600 for training, 59 rows of 128, fewer than one global batch of 64.
-    out = jaxkit("train", "lm_tiny", "data.max_bytes=8000", "--workdir", str(tmp_path / "r"))
+    out = run("train", "lm_tiny", "data.max_bytes=8000", "--workdir", str(tmp_path / "r"))
     assert out.returncode == 2 and "global_batch_size=64 exceeds the 59 training rows" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "r" / "metrics.jsonl").exists()
 
@@ -121,7 +128,7 @@ def test_train_writes_config_plan_and_metrics(tmp_path):
 
 
 def test_train_reports_bad_choices_without_a_traceback(tmp_path):
-    out = jaxkit("train", "mlp_digits", "model.kind=cnn", "--workdir", str(tmp_path / "r"))
+    out = run("train", "mlp_digits", "model.kind=cnn", "--workdir", str(tmp_path / "r"))
     assert (
         out.returncode == 2
         and "model.kind='cnn': must be one of transformer, llama, mlp, or package.module:factory"
@@ -140,15 +147,15 @@ def _refused(out, *fragments):
 
 def test_all_splits_says_which_device_counts_it_left_out_and_why():
     # mesh.data=8 fits only 8 of the 8, 4, 2, 1 devices --all-splits considers.
-    out = jaxkit("plan", "mlp_digits", "mesh.data=8", "--all-splits")
+    out = run("plan", "mlp_digits", "mesh.data=8", "--all-splits")
     assert out.returncode == 0, out.stderr
     assert "every split on 8 cpu devices" in out.stdout
     for n in (4, 2, 1):
         assert f"left out: {n} devices (mesh data=8 × fsdp=1 × tensor=1 has" in out.stdout
-    out = jaxkit("plan", "mlp_digits", "mesh.data=8", "--all-splits", "--json")
+    out = run("plan", "mlp_digits", "mesh.data=8", "--all-splits", "--json")
     assert sorted(json.loads(out.stdout)["left_out_device_counts"]) == ["1", "2", "4"]
     # None of the counts asked for: refused, each count with its reason.
-    out = jaxkit("plan", "mlp_digits", "mesh.data=8", "--all-splits", "--device-counts", "4,2")
+    out = run("plan", "mlp_digits", "mesh.data=8", "--all-splits", "--device-counts", "4,2")
     _refused(out, "no split on any of the device counts: 4 devices: mesh data=8", "; 2 devices")
 
 
@@ -160,7 +167,7 @@ def test_plan_options_anywhere_on_the_line():
     ]
     plans = []
     for line in lines:
-        out = jaxkit("plan", *line)
+        out = run("plan", *line)
         assert out.returncode == 0, (line, out.stderr)
         plans.append(json.loads(out.stdout))
     assert plans[0] == plans[1] == plans[2]
@@ -171,7 +178,7 @@ def test_plan_options_anywhere_on_the_line():
 def test_experiment_train_and_report_options_anywhere_on_the_line(tmp_path):
     # Each line is parsed whole and then refused for a reason found after parsing, so the
     # refusal shows the options were read, wherever they stood.
-    out = jaxkit(
+    out = run(
         "experiment",
         "--steps",
         "2",
@@ -186,7 +193,7 @@ def test_experiment_train_and_report_options_anywhere_on_the_line(tmp_path):
         str(tmp_path / "exp"),
     )
     _refused(out, "split 3×3×1 makes a global batch of 9, not the config's 32")
-    out = jaxkit(
+    out = run(
         "train",
         "--no-progress",
         "mlp_digits",
@@ -199,25 +206,25 @@ def test_experiment_train_and_report_options_anywhere_on_the_line(tmp_path):
     )
     _refused(out, "train.steps=0: must be null or an integer in [1, 2147483648)")
     assert not (tmp_path / "run").exists()
-    out = jaxkit("report", str(tmp_path / "a"), "--out", str(tmp_path / "o"), str(tmp_path / "b"))
+    out = run("report", str(tmp_path / "a"), "--out", str(tmp_path / "o"), str(tmp_path / "b"))
     _refused(out, "a has no metrics.jsonl")
 
 
 def test_help_lists_the_commands_and_their_flags():
-    top = jaxkit("--help")
+    top = run("--help")
     assert top.returncode == 0 and all(c in top.stdout for c in ("plan", "train", "experiment"))
-    plan = jaxkit("plan", "--help")
+    plan = run("plan", "--help")
     assert plan.returncode == 0 and "--max-per-device-batch" in plan.stdout
-    train = jaxkit("train", "--help")
+    train = run("train", "--help")
     assert train.returncode == 0 and "--allow-longer" in train.stdout
     assert "learning-rate schedule is re-laid" in " ".join(train.stdout.split())
 
 
 def test_lr_scaling_none_is_the_documented_string():
-    out = jaxkit("plan", "mlp_digits", "optimizer.lr_scaling=none", "--json")
+    out = run("plan", "mlp_digits", "optimizer.lr_scaling=none", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["lr_scaling"] == "none"
-    _refused(jaxkit("plan", "mlp_digits", "train.steps=None"), "write train.steps=null")
+    _refused(run("plan", "mlp_digits", "train.steps=None"), "write train.steps=null")
 
 
 @pytest.mark.parametrize(
@@ -244,25 +251,25 @@ def test_bad_values_are_refused_before_any_work(tmp_path, command, override, mes
         "train": ["train", "mlp_digits", override, "--workdir", out_dir],
         "experiment": ["experiment", "equivalence", "mlp_digits", override, "--out", out_dir],
     }[command]
-    out = jaxkit(*line, "--host-devices", "2")
+    out = run(*line, "--host-devices", "2")
     _refused(out, f"jaxkit: error: {message}")
     assert out.stdout == "" and not (tmp_path / "r").exists()
 
 
 def test_heads_and_uneven_shards_are_refused_before_compiling(tmp_path):
     _refused(
-        jaxkit("plan", "lm_tiny", "model.num_heads=3"),
+        run("plan", "lm_tiny", "model.num_heads=3"),
         "model.d_model=128 is not divisible by model.num_heads=3",
     )
     _refused(
-        jaxkit("plan", "lm_tiny", "mesh.data=1", "mesh.tensor=8"),  # 4 heads on 8 devices
+        run("plan", "lm_tiny", "mesh.data=1", "mesh.tensor=8"),  # 4 heads on 8 devices
         "model.num_heads=4 is not divisible by mesh.tensor=8",
     )
     uneven_fsdp = ("model.d_model=36", "model.num_heads=4", "mesh.fsdp=8", "mesh.data=1")
     _refused(
-        jaxkit("plan", "lm_tiny", *uneven_fsdp), "model.d_model=36 is not divisible by mesh.fsdp=8"
+        run("plan", "lm_tiny", *uneven_fsdp), "model.d_model=36 is not divisible by mesh.fsdp=8"
     )
-    out = jaxkit(
+    out = run(
         "train",
         "mlp_digits",
         "model.hidden_size=100",
@@ -274,7 +281,7 @@ def test_heads_and_uneven_shards_are_refused_before_compiling(tmp_path):
     _refused(out, "model.hidden_size=100 is not divisible by mesh.tensor=8")
     assert out.stdout == "" and not (tmp_path / "r").exists()
     # Fine on the 8 live devices (tensor=8), uneven on 3 (tensor=3).
-    out = jaxkit(
+    out = run(
         "plan",
         "mlp_digits",
         "mesh.data=1",
@@ -318,7 +325,7 @@ def test_heads_and_uneven_shards_are_refused_before_compiling(tmp_path):
     ],
 )
 def test_usage_errors_exit_2_without_a_traceback(line, message):
-    _refused(jaxkit(*line), message)
+    _refused(run(*line), message)
 
 
 def test_unwritable_output_directories_are_refused_first(tmp_path):
@@ -329,7 +336,7 @@ def test_unwritable_output_directories_are_refused_first(tmp_path):
         ["experiment", "equivalence", "mlp_digits", "--out", str(blocker / "exp")],
         ["report", str(tmp_path), "--out", str(blocker / "report")],
     ):
-        out = jaxkit(*line)
+        out = run(*line)
         _refused(out, f"{blocker} is a file, not a directory")
         assert "workdir:" not in out.stdout  # refused before the run starts
 
