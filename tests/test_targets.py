@@ -10,10 +10,13 @@ import json
 
 import pytest
 from cli_run import jaxkit  # in-process: these claims are about what a plan prints
+from small_configs import SMALL_LM
 from test_cli import jaxkit as jaxkit_process
 
 from jaxkit import targets
 from jaxkit.targets import TargetError, parse_target, target_devices
+
+TINY = ["lm_tiny", *SMALL_LM]
 
 GiB = 2**30
 
@@ -110,7 +113,8 @@ def test_plan_for_a_multi_host_slice_splits_rows_over_hosts():
 
 
 def test_all_splits_on_a_target_use_its_hbm_and_the_tpu_compiler():
-    out = jaxkit("plan", "lm_tiny", "--target", "v5litepod-8", "--all-splits", "--json")
+    # The tiny LM shrunk further: four TPU compiles (b = 8, 4, 2, 1), each a third as long.
+    out = jaxkit("plan", *TINY, "--target", "v5litepod-8", "--all-splits", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["target"] == "v5litepod-8" and result["num_hosts"] == 1
@@ -124,7 +128,7 @@ def test_all_splits_on_a_target_use_its_hbm_and_the_tpu_compiler():
     needs = sorted(s["memory_bytes"] for s in splits)
     budget = (needs[0] + needs[-1]) // 2
     out = jaxkit(
-        "plan", "lm_tiny", "--target", "v5litepod-8", "--all-splits", "--json",
+        "plan", *TINY, "--target", "v5litepod-8", "--all-splits", "--json",
         f"--memory-budget={budget}",
     )  # fmt: skip
     result = json.loads(out.stdout)
