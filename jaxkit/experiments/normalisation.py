@@ -15,11 +15,13 @@ same programs: with JAX_COMPILATION_CACHE_DIR set, the second one reuses the fir
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 from etils import epath
@@ -261,13 +263,64 @@ def verdict(numbers: dict[str, Any], splits: Sequence[Split], weights: np.ndarra
     )
 
 
+@dataclasses.dataclass
+class _Runs:
+    """The runs of one experiment and each one's losses so far: each unit adds its curve,
+    and the report is rendered from them after every unit."""
+
+    config: ml_collections.ConfigDict
+    devices: list[jax.Device]
+    steps: int  # optimizer steps per run
+    global_batch: int
+    splits: list[Split]
+    reference: Split  # its exact run is the curve every other run is measured against
+    weights: np.ndarray  # the weight (targets) of each row the runs train on
+    planned: int  # runs in all
+    echo: Callable[[str], None]
+    losses: dict[Unit, np.ndarray] = dataclasses.field(default_factory=dict)
+    eval_losses: dict[Unit, float] = dataclasses.field(default_factory=dict)
+
+
 def run(request: Request) -> pathlib.Path:
-    config, options, echo = request.config, request.options, request.echo
+    """Trains every split exact, then naive, rewriting the report after each run."""
+    runs, units = _plan(request)
+    title = f"Loss normalisation: exact against naive over splits of {runs.global_batch}"
+    report = Report(request.out, title)
+    return drive(
+        report,
+        units,
+        functools.partial(_do_unit, runs),
+        functools.partial(_render, runs),
+        "runs",
+        request.echo,
+    )
+
+
+def _plan(request: Request) -> tuple[_Runs, list[Unit]]:
+    """The runs and their units, the reference's first; every split is refused or
+    accepted here, before any training."""
+    config, options = request.config, request.options
     devices, _, plan, steps = preamble(request, DEFAULT_STEPS, own_meshes=True)
     g = plan.global_batch_size
     splits = (
         default_splits(g, len(devices)) if options.splits is None else parse_splits(options.splits)
     )
+    _check_splits_fit(config, splits, g, devices)
+    weights = trained_row_weights(config, steps, g)
+    # The reference, the exact run at K = 1 (or of the first split), trains first: every
+    # partial report then measures against the same curve.
+    reference = next((s for s in splits if s.accum == 1), splits[0])
+    ordered = [reference, *(s for s in splits if s != reference)]
+    units = [Unit(s, n) for s in ordered for n in NORMALISATIONS]
+    check_splits(config, splits, devices, steps)  # the normalisation changes no check
+    runs = _Runs(config, devices, steps, g, splits, reference, weights, len(units), request.echo)
+    return runs, units
+
+
+def _check_splits_fit(
+    config: ml_collections.ConfigDict, splits: list[Split], g: int, devices: list[jax.Device]
+) -> None:
+    """Each split cuts the global batch `g` on devices there are, and is given once."""
     for split in splits:
         check_global_batch(split, g)
         if split.devices > len(devices):
@@ -279,95 +332,98 @@ def run(request: Request) -> pathlib.Path:
         raise ExperimentError("--splits: a split is given twice")
     for split in splits:  # all refused before any training
         split_mesh(config, split)
-    weights = trained_row_weights(config, steps, g)
-    # The reference, the exact run at K = 1 (or of the first split), trains first: every
-    # partial report then measures against the same curve.
-    reference = next((s for s in splits if s.accum == 1), splits[0])
-    ordered = [reference, *(s for s in splits if s != reference)]
-    units = [Unit(s, n) for s in ordered for n in NORMALISATIONS]
-    check_splits(config, splits, devices, steps)  # the normalisation changes no check
-    losses: dict[Unit, np.ndarray] = {}
-    eval_losses: dict[Unit, float] = {}
 
-    def do_unit(unit: Unit) -> None:
-        c = ml_collections.ConfigDict(config.to_dict())
-        c.train.loss_normalisation = unit.normalisation
-        result = train_split(c, unit.split, devices, steps)
-        losses[unit] = step_losses(result.records)
-        eval_losses[unit] = float(
-            next(r["eval_loss"] for r in reversed(result.records) if "eval_loss" in r)
-        )
-        echo(f"  {unit}: final loss {_final_text(_loss_or_none(losses[unit][-1]))}")
 
-    def render(report: Report) -> None:
-        report.text(
-            f"Config `{config.get('name')}`, global batch {g}, {steps} optimizer steps per "
-            "run, same seed and data order. Each split (devices × per-device batch × "
-            "accumulation K) trains twice from the same initial parameters: **exact** (a "
-            "step's loss is Σ weight × loss / Σ weight over its whole global batch) and "
-            "**naive** (the mean of its K micro-batch means, as other kits compute it). A "
-            "naive run's training loss is that mean; the eval loss, weighted exactly on "
-            f"the same held-out rows, compares every run on one objective. Here "
-            f"{_weights_phrase(weights)}. Reference: the exact run of {reference.name}."
-        )
-        if not losses:
-            return
-        numbers = summarise(losses, eval_losses, reference)
-        numbers |= {
-            "config": config.get("name"),
-            "global_batch_size": g,
-            "steps": steps,
-            "runs_done": len(losses),
-            "runs_planned": len(units),
-            "row_weights": {
-                "rows": len(weights),
-                "min": float(weights.min()),
-                "max": float(weights.max()),
-                "mean": float(weights.mean()),
-            },
-        }
-        report.text(verdict(numbers, splits, weights))
-        report.table(
+def _do_unit(runs: _Runs, unit: Unit) -> None:
+    c = ml_collections.ConfigDict(runs.config.to_dict())
+    c.train.loss_normalisation = unit.normalisation
+    result = train_split(c, unit.split, runs.devices, runs.steps)
+    runs.losses[unit] = step_losses(result.records)
+    runs.eval_losses[unit] = float(
+        next(r["eval_loss"] for r in reversed(result.records) if "eval_loss" in r)
+    )
+    runs.echo(f"  {unit}: final loss {_final_text(_loss_or_none(runs.losses[unit][-1]))}")
+
+
+def _render(runs: _Runs, report: Report) -> None:
+    """The report of the runs done so far, and their numbers as JSON beside it."""
+    report.text(
+        f"Config `{runs.config.get('name')}`, global batch {runs.global_batch}, {runs.steps} "
+        "optimizer steps per run, same seed and data order. Each split (devices × "
+        "per-device batch × accumulation K) trains twice from the same initial parameters: "
+        "**exact** (a step's loss is Σ weight × loss / Σ weight over its whole global batch) "
+        "and **naive** (the mean of its K micro-batch means, as other kits compute it). A "
+        "naive run's training loss is that mean; the eval loss, weighted exactly on "
+        f"the same held-out rows, compares every run on one objective. Here "
+        f"{_weights_phrase(runs.weights)}. Reference: the exact run of {runs.reference.name}."
+    )
+    if not runs.losses:
+        return
+    numbers = _numbers(runs)
+    report.text(verdict(numbers, runs.splits, runs.weights))
+    _tables(report, numbers)
+    _figure(report, runs.losses, runs.reference, runs.splits)
+    path = epath.Path(report.out / JSON_NAME)
+    write_text_atomic(path, json.dumps(numbers, indent=1) + "\n")
+    report.text(f"The numbers, each run's per-step losses included: `{JSON_NAME}`.")
+
+
+def _numbers(runs: _Runs) -> dict[str, Any]:
+    """What the JSON file holds: the summary of the runs done, and what they were."""
+    weights = runs.weights
+    numbers = summarise(runs.losses, runs.eval_losses, runs.reference)
+    numbers |= {
+        "config": runs.config.get("name"),
+        "global_batch_size": runs.global_batch,
+        "steps": runs.steps,
+        "runs_done": len(runs.losses),
+        "runs_planned": runs.planned,
+        "row_weights": {
+            "rows": len(weights),
+            "min": float(weights.min()),
+            "max": float(weights.max()),
+            "mean": float(weights.mean()),
+        },
+    }
+    return numbers
+
+
+def _tables(report: Report, numbers: dict[str, Any]) -> None:
+    """Each run against the reference, then the spread of each normalisation's runs."""
+    report.table(
+        (
+            "split",
+            "K",
+            "normalisation",
+            "final loss",
+            "eval loss (first 32 held-out rows)",
+            "max abs Δloss vs reference",
+            "max rel Δloss vs reference",
+        ),
+        [
             (
-                "split",
-                "K",
-                "normalisation",
-                "final loss",
-                "eval loss (first 32 held-out rows)",
-                "max abs Δloss vs reference",
-                "max rel Δloss vs reference",
-            ),
-            [
-                (
-                    r["split"],
-                    r["grad_accum_steps"],
-                    r["normalisation"],
-                    _final_text(r["final_loss"]),
-                    f"{r['eval_loss']:.6f}",
-                    f"{r['max_abs_diff_vs_reference']:.2e}",
-                    _number(r["max_rel_diff_vs_reference"]),
-                )
-                for r in numbers["runs"]
-            ],
-        )
-        report.table(
-            ("spread across splits (max over steps of max − min)", "abs", "rel"),
-            [
-                (
-                    f"{n} runs" + (" (round-off)" if n == "exact" else ""),
-                    f"{s['abs']:.2e}" if s else "-",
-                    _number(s["rel"]) if s else "-",
-                )
-                for n, s in (("exact", numbers["exact_spread"]), ("naive", numbers["naive_spread"]))
-            ],
-        )
-        _figure(report, losses, reference, splits)
-        path = epath.Path(report.out / JSON_NAME)
-        write_text_atomic(path, json.dumps(numbers, indent=1) + "\n")
-        report.text(f"The numbers, each run's per-step losses included: `{JSON_NAME}`.")
-
-    report = Report(request.out, f"Loss normalisation: exact against naive over splits of {g}")
-    return drive(report, units, do_unit, render, "runs", echo)
+                r["split"],
+                r["grad_accum_steps"],
+                r["normalisation"],
+                _final_text(r["final_loss"]),
+                f"{r['eval_loss']:.6f}",
+                f"{r['max_abs_diff_vs_reference']:.2e}",
+                _number(r["max_rel_diff_vs_reference"]),
+            )
+            for r in numbers["runs"]
+        ],
+    )
+    report.table(
+        ("spread across splits (max over steps of max − min)", "abs", "rel"),
+        [
+            (
+                f"{n} runs" + (" (round-off)" if n == "exact" else ""),
+                f"{s['abs']:.2e}" if s else "-",
+                _number(s["rel"]) if s else "-",
+            )
+            for n, s in (("exact", numbers["exact_spread"]), ("naive", numbers["naive_spread"]))
+        ],
+    )
 
 
 def _figure(
