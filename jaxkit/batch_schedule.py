@@ -309,92 +309,24 @@ def schedule_from_config(
 ) -> BatchSchedule:
     """The run's schedule on a mesh of this shape, laid from optimizer step `at[0]` at
     example `at[1]`; `saved`: what the checkpoint there kept (BatchSchedule.state)."""
-    b, t, o = config.batch, config.train, config.optimizer
+    b, o = config.batch, config.optimizer
     check_length(config)
     saved = saved or {}
     text = (b.get("schedule") or "").strip()
     if text.lower() == AUTO:
         text = AUTO
-    seq_len = config.data.get("seq_len")
-
-    def plan(global_batch_size: int | None, per_device: int | None, accum: int | None) -> BatchPlan:
-        return make_batch_plan(
-            mesh_shape=mesh_shape,
-            global_batch_size=global_batch_size,
-            per_device_batch_size=per_device,
-            grad_accum_steps=accum,
-            seq_len=seq_len,
-            learning_rate=o.learning_rate,
-            lr_scaling=o.lr_scaling,
-            reference_batch_size=o.reference_batch_size,
-        )
-
     max_global = b.get("max_global_batch_size")
     if text != AUTO and max_global is not None:
         raise BatchPlanError(
             f"batch.max_global_batch_size={max_global} is read by batch.schedule=auto only "
             f"(batch.schedule={text!r}): set batch.schedule=auto, or leave it null"
         )
-    if text in ("", AUTO):
-        first = plan(b.global_batch_size, b.per_device_batch_size, b.grad_accum_steps)
-        stages = [Stage(0, first)]
-    else:
-        asked = parse_stages(text, seq_len)
-        g0 = asked[0][1]
-        if b.global_batch_size is not None and b.global_batch_size != g0:
-            raise BatchPlanError(
-                f"batch.global_batch_size={b.global_batch_size} disagrees with batch.schedule's "
-                f"first stage ({g0}): leave batch.global_batch_size null with a schedule"
-            )
-        if b.per_device_batch_size is None and b.grad_accum_steps is None:
-            raise BatchPlanError(
-                "a batch.schedule changes grad_accum_steps and keeps the per-device batch: give "
-                "batch.per_device_batch_size (or batch.grad_accum_steps of the first stage)"
-            )
-        first = plan(g0, b.per_device_batch_size, b.grad_accum_steps)
-        stages = []
-        for start, g in asked:
-            try:
-                stages.append(Stage(start, _stage_plan(first, g)))
-            except BatchPlanError as err:
-                raise BatchPlanError(f"batch.schedule stage {start}:{g}: {err}") from None
+    first, stages = _asked_stages(config, mesh_shape, text)
     kind = AUTO if text == AUTO else "scheduled" if text else "fixed"
     if kind == AUTO:
-        if max_global is None:
-            raise BatchPlanError(
-                "batch.schedule=auto doubles grad_accum_steps up to batch.max_global_batch_size: "
-                "give it"
-            )
-        g0 = first.global_batch_size
-        ratio = max_global // g0
-        if max_global < g0 or max_global % g0 or ratio & (ratio - 1):
-            doubles = [g0 * 2**i for i in range(6)]
-            raise BatchPlanError(
-                f"batch.max_global_batch_size={max_global} must be the first global batch "
-                f"{g0} doubled zero or more times: one of {', '.join(map(str, doubles))}, ..."
-            )
-        if not has_two_batch_sizes(first.global_batch_size):
-            raise BatchPlanError(
-                "batch.schedule=auto reads the gradient noise scale, which needs the gradient "
-                f"at two batch sizes: the first {SMALL_BATCH_ROWS} row(s) of each global batch "
-                f"and the whole of it. Start with batch.global_batch_size > {SMALL_BATCH_ROWS} "
-                f"(this plan has {first.global_batch_size})"
-            )
-        if t.get("examples") is None:
-            raise BatchPlanError(
-                "batch.schedule=auto decides the global batch as the run goes, so its length "
-                "in optimizer steps is not known: give train.examples (and train.steps=null)"
-            )
+        _check_auto(config, first, max_global)
     decided = [tuple(d) for d in saved.get("decided", [])] if kind == AUTO else []
-    for first_step, first_example, g in decided:
-        if max_global is not None and g > max_global:
-            raise BatchPlanError(
-                f"this run's auto ramp reached a global batch of {g} at optimizer step "
-                f"{first_step}, above batch.max_global_batch_size={max_global}: a resume "
-                f"cannot take it back; use batch.max_global_batch_size >= {g}, or a new "
-                "--workdir"
-            )
-        stages.append(Stage(first_example, _stage_plan(first, g)))
+    stages += _decided_stages(first, decided, max_global)
     warmup_steps = max(int(o.warmup_steps), 0)
     base = _unlaid(
         config,
@@ -408,6 +340,110 @@ def schedule_from_config(
         origin=at,
     )
     return _laid(base, stages)
+
+
+def _config_plan(
+    config: ml_collections.ConfigDict,
+    mesh_shape: dict[str, int],
+    global_batch_size: int | None,
+    per_device: int | None,
+    accum: int | None,
+) -> BatchPlan:
+    """The plan of one split on this mesh, with the config's sequence and learning rate."""
+    o = config.optimizer
+    return make_batch_plan(
+        mesh_shape=mesh_shape,
+        global_batch_size=global_batch_size,
+        per_device_batch_size=per_device,
+        grad_accum_steps=accum,
+        seq_len=config.data.get("seq_len"),
+        learning_rate=o.learning_rate,
+        lr_scaling=o.lr_scaling,
+        reference_batch_size=o.reference_batch_size,
+    )
+
+
+def _asked_stages(
+    config: ml_collections.ConfigDict, mesh_shape: dict[str, int], text: str
+) -> tuple[BatchPlan, list[Stage]]:
+    """The first plan and the stages batch.schedule's `text` asks for (one for a fixed batch
+    or auto, whose later stages are decided as the run goes)."""
+    b = config.batch
+    if text in ("", AUTO):
+        first = _config_plan(
+            config, mesh_shape, b.global_batch_size, b.per_device_batch_size, b.grad_accum_steps
+        )
+        return first, [Stage(0, first)]
+    asked = parse_stages(text, config.data.get("seq_len"))
+    g0 = asked[0][1]
+    if b.global_batch_size is not None and b.global_batch_size != g0:
+        raise BatchPlanError(
+            f"batch.global_batch_size={b.global_batch_size} disagrees with batch.schedule's "
+            f"first stage ({g0}): leave batch.global_batch_size null with a schedule"
+        )
+    if b.per_device_batch_size is None and b.grad_accum_steps is None:
+        raise BatchPlanError(
+            "a batch.schedule changes grad_accum_steps and keeps the per-device batch: give "
+            "batch.per_device_batch_size (or batch.grad_accum_steps of the first stage)"
+        )
+    first = _config_plan(config, mesh_shape, g0, b.per_device_batch_size, b.grad_accum_steps)
+    stages = []
+    for start, g in asked:
+        try:
+            stages.append(Stage(start, _stage_plan(first, g)))
+        except BatchPlanError as err:
+            raise BatchPlanError(f"batch.schedule stage {start}:{g}: {err}") from None
+    return first, stages
+
+
+def _check_auto(
+    config: ml_collections.ConfigDict, first: BatchPlan, max_global: int | None
+) -> None:
+    """What batch.schedule=auto needs before it can double the batch: a ceiling that is the
+    first batch doubled, two batch sizes to measure the noise scale, a length in examples."""
+    if max_global is None:
+        raise BatchPlanError(
+            "batch.schedule=auto doubles grad_accum_steps up to batch.max_global_batch_size: "
+            "give it"
+        )
+    g0 = first.global_batch_size
+    ratio = max_global // g0
+    if max_global < g0 or max_global % g0 or ratio & (ratio - 1):
+        doubles = [g0 * 2**i for i in range(6)]
+        raise BatchPlanError(
+            f"batch.max_global_batch_size={max_global} must be the first global batch "
+            f"{g0} doubled zero or more times: one of {', '.join(map(str, doubles))}, ..."
+        )
+    if not has_two_batch_sizes(first.global_batch_size):
+        raise BatchPlanError(
+            "batch.schedule=auto reads the gradient noise scale, which needs the gradient "
+            f"at two batch sizes: the first {SMALL_BATCH_ROWS} row(s) of each global batch "
+            f"and the whole of it. Start with batch.global_batch_size > {SMALL_BATCH_ROWS} "
+            f"(this plan has {first.global_batch_size})"
+        )
+    if config.train.get("examples") is None:
+        raise BatchPlanError(
+            "batch.schedule=auto decides the global batch as the run goes, so its length "
+            "in optimizer steps is not known: give train.examples (and train.steps=null)"
+        )
+
+
+def _decided_stages(
+    first: BatchPlan, decided: list[tuple[int, ...]], max_global: int | None
+) -> list[Stage]:
+    """The stages an auto ramp decided before the checkpoint resumed from: a resume keeps
+    them, so a ceiling lowered below one of them is refused."""
+    stages = []
+    for first_step, first_example, g in decided:
+        if max_global is not None and g > max_global:
+            raise BatchPlanError(
+                f"this run's auto ramp reached a global batch of {g} at optimizer step "
+                f"{first_step}, above batch.max_global_batch_size={max_global}: a resume "
+                f"cannot take it back; use batch.max_global_batch_size >= {g}, or a new "
+                "--workdir"
+            )
+        stages.append(Stage(first_example, _stage_plan(first, g)))
+    return stages
 
 
 def fixed_schedule(config: ml_collections.ConfigDict, plan: BatchPlan) -> BatchSchedule:

@@ -28,6 +28,7 @@ saves `step_N` checkpoints from there on, leaving the old directories untouched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -429,52 +430,16 @@ def resume(
     """
     if not checkpointer.steps() and checkpointer.micro_step_numbered() is None:
         return None  # a new workdir
-    current = config.to_dict()
-
-    def check(meta: dict) -> None:
-        # The config first: another model or data source reads other data too, and the
-        # config's differences say why.
-        conflicts = config_conflicts(meta["config"], current)
-        if conflicts:
-            raise CheckpointError(
-                f"{checkpointer.directory.parent} holds a run with a different config; "
-                "resuming would train a different model:\n"
-                + "\n".join(conflicts)
-                + (
-                    "\nmodel.scan_layers stacks the blocks' params on a layer axis: a "
-                    "checkpoint of one layout does not load into the other."
-                    if any("model.scan_layers" in line for line in conflicts)
-                    else ""
-                )
-                + "\nUse the saved values, or a new --workdir."
-            )
-        changes = data_changes(meta.get("data"), data)
-        if changes:
-            raise CheckpointError(
-                f"{checkpointer.directory.parent} was trained on other data; its saved data "
-                "position would read other rows:\n"
-                + "\n".join(changes)
-                + "\nRestore the data the run was trained on, or use a new --workdir."
-            )
-        _check_length(meta["config"], position_of(meta), config, allow_longer)
-        old, plan = meta["plan"], plan_at(meta)
-        new_plan = plan.to_json()
-        if old["global_batch_size"] != plan.global_batch_size and not allow_batch_change:
-            raise CheckpointError(
-                f"resuming here changes the global batch from {old['global_batch_size']} to "
-                f"{plan.global_batch_size}, which trains a different model:\n"
-                + plans_side_by_side(old, new_plan)
-                + (
-                    "\nbatch.schedule gives a different global batch at this example: keep its "
-                    "stages up to here (change only later ones)"
-                    if config.batch.get("schedule")
-                    else "\nLeave one of batch.per_device_batch_size / batch.grad_accum_steps "
-                    "free (null) so it is re-derived"
-                )
-                + ", or pass --allow-batch-change to accept it (the learning rate then follows "
-                f"optimizer.lr_scaling={plan.lr_scaling!r})."
-            )
-
+    check = functools.partial(
+        _check_resumable,
+        checkpointer=checkpointer,
+        config=config,
+        current=config.to_dict(),
+        plan_at=plan_at,
+        data=data,
+        allow_batch_change=allow_batch_change,
+        allow_longer=allow_longer,
+    )
     found = checkpointer.restore_latest(abstract_state(setup), check)
     if found is None:
         echo("warning: no readable checkpoint left; starting from scratch")
@@ -487,8 +452,90 @@ def resume(
             "jaxkit saved it): only the row counts were checked; make sure data.path holds "
             "the tokens it was trained on"
         )
-    old, position, plan = meta["plan"], position_of(meta), plan_at(meta)
+    position, plan = position_of(meta), plan_at(meta)
+    _echo_resumed(checkpointer, meta, position, plan, echo)
+    state, position, redone = _restart_half_step(state, position, meta["plan"], plan, setup, echo)
+    return Restored(position=position, state=state, meta=meta, redone_micro_steps=redone)
+
+
+def _check_resumable(
+    meta: dict,
+    *,
+    checkpointer: Checkpointer,
+    config: Any,
+    current: dict,
+    plan_at: Callable[[dict], Any],
+    data: dict | None,
+    allow_batch_change: bool,
+    allow_longer: bool,
+) -> None:
+    """Refuses a checkpoint this run cannot continue, before anything is restored: the
+    config first (another model or data source reads other data too, and the config's
+    differences say why), then the data, the run's length and the global batch."""
+    _check_same_run(meta, checkpointer, current, data)
+    _check_length(meta["config"], position_of(meta), config, allow_longer)
+    _check_global_batch(meta, config, plan_at(meta), allow_batch_change)
+
+
+def _check_same_run(
+    meta: dict, checkpointer: Checkpointer, current: dict, data: dict | None
+) -> None:
+    """The saved run trained the same model on the same data, or resuming means nothing."""
+    conflicts = config_conflicts(meta["config"], current)
+    if conflicts:
+        raise CheckpointError(
+            f"{checkpointer.directory.parent} holds a run with a different config; "
+            "resuming would train a different model:\n"
+            + "\n".join(conflicts)
+            + (
+                "\nmodel.scan_layers stacks the blocks' params on a layer axis: a "
+                "checkpoint of one layout does not load into the other."
+                if any("model.scan_layers" in line for line in conflicts)
+                else ""
+            )
+            + "\nUse the saved values, or a new --workdir."
+        )
+    changes = data_changes(meta.get("data"), data)
+    if changes:
+        raise CheckpointError(
+            f"{checkpointer.directory.parent} was trained on other data; its saved data "
+            "position would read other rows:\n"
+            + "\n".join(changes)
+            + "\nRestore the data the run was trained on, or use a new --workdir."
+        )
+
+
+def _check_global_batch(meta: dict, config: Any, plan: Any, allow_batch_change: bool) -> None:
+    """The global batch may change at a resume only when asked: it trains another model."""
+    old = meta["plan"]
     new_plan = plan.to_json()
+    if old["global_batch_size"] != plan.global_batch_size and not allow_batch_change:
+        raise CheckpointError(
+            f"resuming here changes the global batch from {old['global_batch_size']} to "
+            f"{plan.global_batch_size}, which trains a different model:\n"
+            + plans_side_by_side(old, new_plan)
+            + (
+                "\nbatch.schedule gives a different global batch at this example: keep its "
+                "stages up to here (change only later ones)"
+                if config.batch.get("schedule")
+                else "\nLeave one of batch.per_device_batch_size / batch.grad_accum_steps "
+                "free (null) so it is re-derived"
+            )
+            + ", or pass --allow-batch-change to accept it (the learning rate then follows "
+            f"optimizer.lr_scaling={plan.lr_scaling!r})."
+        )
+
+
+def _echo_resumed(
+    checkpointer: Checkpointer,
+    meta: dict,
+    position: Position,
+    plan: Any,
+    echo: Callable[[str], None],
+) -> None:
+    """Says where the run resumes and, where the plan changed, how: a changed split or
+    batch is visible in the log, not only in the numbers."""
+    old, new_plan = meta["plan"], plan.to_json()
     where = f"optimizer step {position.step}"
     if position.micro:
         where += f", {position.micro} of {old['grad_accum_steps']} micro-steps into the next"
@@ -509,27 +556,39 @@ def resume(
             f"{plan.learning_rate:.6g} by lr_scaling={plan.lr_scaling}; the data continues "
             f"from example {position.examples:,}"
         )
-    redone = 0
-    if position.micro and not can_continue_accumulation(old, plan, setup.accumulation):
-        redone = position.micro
-        echo(
-            f"the checkpoint holds {redone} of {old['grad_accum_steps']} micro-batches "
-            f"({old['micro_batch_size']} rows each) of optimizer step {position.step + 1}, "
-            f"which this plan ({plan.grad_accum_steps} micro-batches of "
-            f"{plan.micro_batch_size} rows"
-            + (", fused" if setup.accumulation == "fused" else "")
-            + ") cannot continue: that step starts again from its first micro-batch "
-            "(exact: params change only at a step's last micro-batch)"
-        )
-        state = empty_accumulator(state)
-        position = dataclasses.replace(position, micro=0)
-    if redone:  # the micro-step counter goes back to the step's start as well
-        counter = jax.device_put(
-            jnp.asarray(int(state.micro_step) - redone, jnp.int32),
-            setup.state_shardings.micro_step,
-        )
-        state = state.replace(micro_step=counter)
-    return Restored(position=position, state=state, meta=meta, redone_micro_steps=redone)
+
+
+def _restart_half_step(
+    state: Any,
+    position: Position,
+    old: dict,
+    plan: Any,
+    setup: Any,
+    echo: Callable[[str], None],
+) -> tuple[Any, Position, int]:
+    """(state, position, micro-steps redone): a saved half-step this plan cannot continue
+    starts again from the step boundary, which is exact since params change only at a
+    step's last micro-batch."""
+    if not (position.micro and not can_continue_accumulation(old, plan, setup.accumulation)):
+        return state, position, 0
+    redone = position.micro
+    echo(
+        f"the checkpoint holds {redone} of {old['grad_accum_steps']} micro-batches "
+        f"({old['micro_batch_size']} rows each) of optimizer step {position.step + 1}, "
+        f"which this plan ({plan.grad_accum_steps} micro-batches of "
+        f"{plan.micro_batch_size} rows"
+        + (", fused" if setup.accumulation == "fused" else "")
+        + ") cannot continue: that step starts again from its first micro-batch "
+        "(exact: params change only at a step's last micro-batch)"
+    )
+    state = empty_accumulator(state)
+    position = dataclasses.replace(position, micro=0)
+    # The micro-step counter goes back to the step's start as well.
+    counter = jax.device_put(
+        jnp.asarray(int(state.micro_step) - redone, jnp.int32),
+        setup.state_shardings.micro_step,
+    )
+    return state.replace(micro_step=counter), position, redone
 
 
 def empty_accumulator(state: Any) -> Any:
