@@ -139,13 +139,30 @@ def summary_rows(run: dict) -> list[dict]:
     rows = [_row(run["name"], status, plan, train, timed[-1] if timed else [], evals)]
     if len(stages) < 2:
         return rows
+    changes = [r for r in run["records"] if r.get("event") == "plan_change"]
     after = 0
     for i, (part, times) in enumerate(zip(stages, timed, strict=True)):
         mine = [e for e in evals if after < e["step"] <= part[-1]["step"]]  # its params'
         name = f"{run['name']} stage {i + 1}"
-        rows.append(_row(name, f"of {len(stages)}", plan, part, times, mine))
+        row = _row(name, f"of {len(stages)}", plan, part, times, mine)
+        ended = _plan_change_ending(changes, part, stages[i + 1] if i + 1 < len(stages) else [])
+        if ended:  # a resume under another plan ended it: it ran on the plan it left
+            left = ended["from_plan"]
+            row["devices"] = left.get("data_parallel_size")
+            row["per_device"] = left.get("per_device_batch_size")
+            row["steps"] = ended["step"]  # where it stopped, not its last logged step
+        rows.append(row)
         after = part[-1]["step"]
     return rows
+
+
+def _plan_change_ending(changes: list[dict], part: list[dict], following: list[dict]) -> dict:
+    """The plan change between a stage's last record and the next stage's first, if any:
+    rows otherwise read the run's plan.json, which is the last stage's."""
+    if not following:
+        return {}
+    last, first_next = part[-1]["step"], following[0]["step"]
+    return next((c for c in changes if last <= c["step"] < first_next), {})
 
 
 def summary_row(run: dict) -> dict:

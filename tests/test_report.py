@@ -141,3 +141,22 @@ def test_report_of_a_ramped_run_gives_its_last_stage_and_a_row_per_stage(tmp_pat
     evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
     assert float(table[1][8]) == pytest.approx(evals[4], abs=5e-5)
     assert float(table[2][8]) == pytest.approx(evals[8], abs=5e-5)
+
+
+def test_a_stage_ended_by_a_resume_on_other_devices_shows_the_plan_it_ran_on(tmp_path):
+    """4 devices × 4 rows × K=2 for three steps, stopped, then 2 × 4 × 4 to the end: the first
+    stage's row is 4 × 4 × 2 and ends at step 3 (where it stopped, not step 2, its last log),
+    while the run's plan.json is the last stage's."""
+    import jax
+
+    config = load_config("mlp_digits")
+    apply_overrides(config, ["train.steps=6", "train.log_every=2", "train.eval_every=0"])
+    quiet = {"progress": False, "echo": lambda *a: None}
+    train(config, tmp_path / "r", devices=jax.devices()[:4], stop_after_micro_steps=6, **quiet)
+    train(config, tmp_path / "r", devices=jax.devices()[:2], **quiet)
+    rows = summary_rows(load_run(tmp_path / "r"))
+    first, second = (
+        {k: r[k] for k in ("devices", "per_device", "accum", "steps")} for r in rows[1:]
+    )
+    assert first == {"devices": 4, "per_device": 4, "accum": 2, "steps": 3}
+    assert second == {"devices": 2, "per_device": 4, "accum": 4, "steps": 6}
