@@ -11,10 +11,21 @@ against the live data-parallel size. Nothing is rounded: an inconsistent request
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Iterable, Sequence
 
 LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+class Accumulation(enum.StrEnum):
+    """How a step accumulates its K micro-batches (`train.accumulation`). Both keep
+    optax.MultiSteps' state layout, so a resume may switch."""
+
+    MULTISTEPS = "multisteps"  # one call per micro-batch: K gradient all-reduces per step
+    FUSED = "fused"  # one call per optimizer step: a local scan over K and one all-reduce
+
+
 FORMULA = "global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps"
 
 

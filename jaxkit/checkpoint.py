@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxkit.batch_plan import Accumulation
 from jaxkit.batch_schedule import Position
-from jaxkit.config import ADDED_DEFAULTS, flatten
-from jaxkit.layers import LM_DEFAULTS
+from jaxkit.config import ADDED_DEFAULTS, flatten, resumable
 from jaxkit.train_step import abstract_state
 from jaxkit.workdir import absolute, missing_gcs_support
 
@@ -49,28 +49,6 @@ STEP_PREFIX = "step"
 # Written into every checkpoint's record; a record without it comes from the micro-step
 # numbering.
 FORMAT = 2
-
-# Config keys that may differ between a run and its resumption: where it runs, how the batch
-# is split (the global batch is checked on its own), and what is logged or saved.
-# train.steps (or train.examples) is checked on its own too: it may only grow, when asked
-# (--allow-longer).
-RESUMABLE_KEYS = (
-    "name",
-    "mesh.",
-    "batch.",
-    "train.steps",
-    "train.examples",
-    "train.log_every",
-    "train.eval_",  # eval_every, eval_examples (and the eval_batches of older runs)
-    "train.profile_steps",
-    "train.max_nonfinite_in_row",
-    # Smooths a logged estimate; only the auto ramp reads it (from the resume on).
-    "train.noise_scale_decay",
-    "train.accumulation",  # both modes keep MultiSteps' state layout
-    "train.prefetch",  # when batches load, not which
-    "model.remat",  # recomputes activations; the params and their updates are the same
-    "checkpoint.",
-)
 
 
 class CheckpointError(ValueError):
@@ -91,12 +69,11 @@ def _names(path: tuple) -> tuple[str, ...]:
 
 def config_conflicts(saved: dict, current: dict) -> list[str]:
     """Lines `key: saved -> current` for every difference that would change the model."""
-    # Runs saved before a model key existed ran with its default.
-    defaults = {f"model.{key}": value for key, value in LM_DEFAULTS.items()} | ADDED_DEFAULTS
-    old, new = defaults | flatten(saved), defaults | flatten(current)
+    # Runs saved before a key existed ran with its default.
+    old, new = ADDED_DEFAULTS | flatten(saved), ADDED_DEFAULTS | flatten(current)
     lines = []
     for key in sorted(old.keys() | new.keys()):
-        if key.startswith(RESUMABLE_KEYS) or old.get(key) == new.get(key):
+        if resumable(key) or old.get(key) == new.get(key):
             continue
         lines.append(
             f"  {key}: {old.get(key, '<absent>')!r} (saved) -> {new.get(key, '<absent>')!r}"
@@ -397,11 +374,11 @@ def _check_length(saved_config: dict, position: Position, config: Any, allow_lon
         )
 
 
-def can_continue_accumulation(saved_plan: dict, plan: Any, accumulation: str) -> bool:
+def can_continue_accumulation(saved_plan: dict, plan: Any, accumulation: Accumulation) -> bool:
     """Whether a half-filled accumulator from `saved_plan` can take this plan's micro-batches:
     the same rows per micro-step and the same K, and one micro-batch per call."""
     return (
-        accumulation == "multisteps"
+        accumulation is Accumulation.MULTISTEPS
         and saved_plan["grad_accum_steps"] == plan.grad_accum_steps
         and saved_plan["micro_batch_size"] == plan.micro_batch_size
     )
@@ -577,7 +554,7 @@ def _restart_half_step(
         f"({old['micro_batch_size']} rows each) of optimizer step {position.step + 1}, "
         f"which this plan ({plan.grad_accum_steps} micro-batches of "
         f"{plan.micro_batch_size} rows"
-        + (", fused" if setup.accumulation == "fused" else "")
+        + (", fused" if setup.accumulation is Accumulation.FUSED else "")
         + ") cannot continue: that step starts again from its first micro-batch "
         "(exact: params change only at a step's last micro-batch)"
     )

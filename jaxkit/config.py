@@ -10,15 +10,37 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import math
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
 
-from jaxkit.batch_plan import LR_SCALINGS
+from jaxkit.batch_plan import LR_SCALINGS, Accumulation
+from jaxkit.keys import (
+    ALWAYS,
+    COUNT,
+    FRACTION_OPEN,
+    MESH_AXIS,
+    NULL_WORD,
+    POSITIVE,
+    REQUIRED,
+    TEXT_FILE,
+    TOKEN_PATH,
+    ConfigError,
+    Key,
+    Rule,
+    boolean,
+    integer,
+    null,
+    number,
+    one_of,
+    rules,
+)
+from jaxkit.keys import show as _show
+from jaxkit.keys import (
+    text as text_rule,
+)
 
 # A checkout's configs/, or the copy a wheel installs as jaxkit/configs.
 _CHECKOUT_CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -28,8 +50,6 @@ CONFIG_DIR = (
     else pathlib.Path(__file__).resolve().parent / "configs"
 )
 DEFAULT_CONFIG = "lm_tiny"
-# Only this word unsets a value: "none" is a value of some string fields (lr_scaling=none).
-NULL_WORD = "null"
 # Keys that were renamed, with what replaced them, so an old override gets a pointer.
 RENAMED = {
     "train.eval_batches": "train.eval_examples (held-out rows per eval, 0 = every row; "
@@ -37,84 +57,251 @@ RENAMED = {
 }
 
 
-# Keys added after runs were saved: a saved config without one ran as this value says.
-ADDED_DEFAULTS: dict[str, object] = {
-    "train.loss_normalisation": "exact",  # unweighted rows: exact and naive are one loss
-    "data.rows": "windows",
-    "data.document_mask": False,
-    "data.token_dtype": "uint16",
-}
+def _key(name: str, default: object, rule: Rule, doc: str, **more: Any) -> Key:
+    return Key(name, default, rule, doc, **more)
 
 
-class ConfigError(ValueError):
-    """A config name, key or value that cannot be used."""
+_RESUMABLE = {"resumable": True}
+# Optimizer step counts are int32 in optax (and the schedules read them): 2**31 overflows.
+_STEP_COUNT = 2**31
+
+# The keys every job shares; a config file adds `model` and `data` and overrides. Each is
+# declared once: base_config(), BASE_RULES, the keys a resume may change and the config
+# reference all come from this table.
+BASE_KEYS: tuple[Key, ...] = (
+    # Give two of the three; the third is derived from the live mesh:
+    # global_batch_size = (mesh.data × mesh.fsdp) × per_device_batch_size × grad_accum_steps
+    _key(
+        "batch.global_batch_size",
+        None,
+        integer(1, nullable=True),
+        "rows per optimizer step",
+        type=int,
+        **_RESUMABLE,
+    ),
+    _key(
+        "batch.per_device_batch_size",
+        None,
+        integer(1, nullable=True),
+        "rows per data-parallel rank per micro-step",
+        type=int,
+        **_RESUMABLE,
+    ),
+    _key(
+        "batch.grad_accum_steps",
+        None,
+        integer(1, nullable=True),
+        "micro-steps per optimizer step (give two of these three)",
+        type=int,
+        **_RESUMABLE,
+    ),
+    _key(
+        "batch.schedule",
+        "",
+        text_rule(nullable=False),
+        'a global batch that grows: `""` (fixed), stages `"EXAMPLES:GLOBAL,..."` (a `t` '
+        'suffix counts tokens: `"25Mt:128"`) or `auto` (K doubles while the smoothed noise '
+        "scale B_simple stays above the global batch); only K changes",
+        **_RESUMABLE,
+    ),
+    _key(
+        "batch.max_global_batch_size",
+        None,
+        integer(1, nullable=True),
+        "`auto`: the largest global batch, the first doubled n times",
+        type=int,
+        **_RESUMABLE,
+    ),
+    _key(
+        "batch.auto_patience",
+        3,
+        POSITIVE,
+        "`auto`: log windows in a row with B_simple above the batch before K doubles",
+        **_RESUMABLE,
+    ),
+    _key(
+        "mesh.data",
+        -1,
+        MESH_AXIS,
+        "pure data parallel: replicas that each see part of the batch (-1: the remaining devices)",
+        **_RESUMABLE,
+    ),
+    _key(
+        "mesh.fsdp",
+        1,
+        MESH_AXIS,
+        "also splits the batch, and shards params and optimizer state",
+        **_RESUMABLE,
+    ),
+    _key(
+        "mesh.tensor",
+        1,
+        MESH_AXIS,
+        "shards heads and hidden units; does not split the batch",
+        **_RESUMABLE,
+    ),
+    _key(
+        "optimizer.name",
+        "adamw",
+        one_of("adamw", "sgd"),
+        "`adamw` or `sgd` (inside `optax.MultiSteps`)",
+    ),
+    _key(
+        "optimizer.learning_rate",
+        1e-3,
+        number(0, open_low=True, open_high=False),
+        "peak learning rate, before batch scaling",
+    ),
+    _key(
+        "optimizer.lr_scaling",
+        "none",
+        one_of(*LR_SCALINGS),
+        "`none`, `linear` or `sqrt` in global_batch_size / reference_batch_size",
+    ),
+    _key(
+        "optimizer.reference_batch_size",
+        None,
+        integer(1, nullable=True),
+        "the global batch the learning rate was tuned at",
+        type=int,
+    ),
+    _key(
+        "optimizer.warmup_steps",
+        10,
+        integer(0, _STEP_COUNT),
+        "linear warmup, in optimizer steps (of the first stage: warmup and decay are laid "
+        "over examples), then cosine decay",
+    ),
+    _key(
+        "optimizer.final_lr_fraction",
+        0.1,
+        number(0, 1, open_low=False, open_high=False),
+        "where the cosine decay ends, as a fraction of the peak",
+    ),
+    _key(
+        "optimizer.weight_decay",
+        0.0,
+        number(0, open_low=False, open_high=False),
+        "decoupled (adamw) or L2 (sgd), on matrices only",
+    ),
+    _key("optimizer.b1", 0.9, FRACTION_OPEN, "adamw's first moment decay"),
+    _key("optimizer.b2", 0.999, FRACTION_OPEN, "adamw's second moment decay"),
+    _key("optimizer.momentum", 0.9, FRACTION_OPEN, "sgd momentum (0 = plain sgd)"),
+    _key(
+        "optimizer.grad_clip_norm",
+        0.0,
+        number(0, open_low=False, open_high=False),
+        "clip the accumulated gradient's global norm (0 = off)",
+    ),
+    # train.steps (or train.examples) may only grow at a resume, when asked (--allow-longer):
+    # checked on its own.
+    _key(
+        "train.steps",
+        100,
+        integer(1, _STEP_COUNT, nullable=True),
+        "optimizer steps (or null, with `train.examples`)",
+        type=int,
+        **_RESUMABLE,
+    ),
+    _key(
+        "train.examples",
+        None,
+        integer(1, nullable=True),
+        "examples to train on, instead of `train.steps` (give one)",
+        type=int,
+        **_RESUMABLE,
+    ),
+    # jax.random.key keeps 32 bits: seed 2**32 would initialize exactly as seed 0.
+    _key("train.seed", 0, integer(0, 2**32), "model init and data order"),
+    _key("train.log_every", 10, POSITIVE, "optimizer steps between metrics records", **_RESUMABLE),
+    _key(
+        "train.eval_every",
+        0,
+        COUNT,
+        "optimizer steps between evals (0 = at the end only)",
+        **_RESUMABLE,
+    ),
+    _key(
+        "train.eval_examples",
+        0,
+        COUNT,
+        "held-out rows per eval, the first N in a fixed order, the same for every split "
+        "(0 = every held-out row); replaces `eval_batches`",
+        **_RESUMABLE,
+    ),
+    _key(
+        "train.max_nonfinite_in_row",
+        10,
+        POSITIVE,
+        "stop after this many non-finite micro-batches (MultiSteps) or skipped steps (fused) "
+        "in a row",
+        **_RESUMABLE,
+    ),
+    # Both modes keep MultiSteps' state layout, so a resume may switch.
+    _key(
+        "train.accumulation",
+        "multisteps",
+        one_of(*(mode.value for mode in Accumulation)),
+        "`multisteps` (one call per micro-batch, `optax.MultiSteps`, K gradient all-reduces "
+        "per optimizer step) or `fused` (one call per optimizer step: a local scan over the K "
+        "micro-batches and one all-reduce)",
+        **_RESUMABLE,
+    ),
+    # Unweighted rows (every run saved before the key): exact and naive are one loss.
+    _key(
+        "train.loss_normalisation",
+        "exact",
+        one_of("exact", "naive"),
+        "`exact` (Σ weight × loss / Σ weight over the global batch, every split alike) or "
+        "`naive` (the mean of micro-batch means, as other kits compute it, for comparison)",
+        added="exact",
+    ),
+    # When batches load, not which.
+    _key(
+        "train.prefetch",
+        2,
+        COUNT,
+        "micro-batches loaded ahead by a background thread (0 = in the step's path)",
+        **_RESUMABLE,
+    ),
+    # Smooths a logged estimate; only the auto ramp reads it (from the resume on).
+    _key(
+        "train.noise_scale_decay",
+        0.95,
+        FRACTION_OPEN,  # 1 divides by 1 − 1**n
+        "smoothing of the gradient noise-scale estimates, per optimizer step",
+        **_RESUMABLE,
+    ),
+    _key(
+        "train.profile_steps",
+        "",
+        text_rule(nullable=False),
+        "`START:END` traces optimizer steps START..END−1 into `WORKDIR/profile/`; empty = off",
+        **_RESUMABLE,
+    ),
+    # With a workdir, a run also checkpoints on SIGTERM/SIGINT and at the end.
+    _key(
+        "checkpoint.every",
+        100,
+        COUNT,
+        "optimizer steps between asynchronous checkpoints (0 = only on SIGTERM/SIGINT and at "
+        "the end)",
+        **_RESUMABLE,
+    ),
+    _key("checkpoint.keep", 3, POSITIVE, "newest checkpoints kept (at least 1)", **_RESUMABLE),
+)
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """The sections every job shares; a config file adds `model` and `data` and overrides."""
+    """The sections every job shares (BASE_KEYS, at their defaults); a config file adds
+    `model` and `data` and overrides."""
     c = ml_collections.ConfigDict()
-
-    # Give two of the three; the third is derived from the live mesh:
-    # global_batch_size = (mesh.data × mesh.fsdp) × per_device_batch_size × grad_accum_steps
-    c.batch = ml_collections.ConfigDict()
-    c.batch.global_batch_size = config_dict.placeholder(int)  # rows per optimizer step
-    c.batch.per_device_batch_size = config_dict.placeholder(int)  # rows per rank per micro-step
-    c.batch.grad_accum_steps = config_dict.placeholder(int)  # micro-steps per optimizer step
-    # A global batch that grows (batch_schedule.py): "" = fixed; "EXAMPLES:GLOBAL,..." stages
-    # (e.g. "0:64,200000:128"; a t suffix counts tokens: "25Mt:128"); "auto" doubles K when
-    # the smoothed noise scale B_simple stays above the global batch. Only K changes.
-    c.batch.schedule = ""
-    c.batch.max_global_batch_size = config_dict.placeholder(int)  # auto: the largest, rows
-    c.batch.auto_patience = 3  # auto: log windows in a row with B_simple above the batch
-
-    # Mesh axis sizes; one may be -1 to take the remaining devices.
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # pure data parallel: replicas that each see part of the batch
-    c.mesh.fsdp = 1  # also splits the batch, and shards params and optimizer state
-    c.mesh.tensor = 1  # shards heads and hidden units; does not split the batch
-
-    c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.name = "adamw"  # adamw | sgd
-    c.optimizer.learning_rate = 1e-3  # peak, before batch scaling
-    c.optimizer.lr_scaling = "none"  # none | linear | sqrt, by global / reference batch size
-    c.optimizer.reference_batch_size = config_dict.placeholder(int)  # batch the LR was tuned at
-    c.optimizer.warmup_steps = 10  # optimizer steps of linear warmup
-    c.optimizer.final_lr_fraction = 0.1  # cosine decay ends at this fraction of the peak
-    c.optimizer.weight_decay = 0.0  # decoupled (adamw) or L2 (sgd), on matrices only
-    c.optimizer.b1 = 0.9  # adamw
-    c.optimizer.b2 = 0.999  # adamw
-    c.optimizer.momentum = 0.9  # sgd; 0 = plain sgd
-    c.optimizer.grad_clip_norm = 0.0  # clip the accumulated gradient's global norm; 0 = off
-
-    c.train = ml_collections.ConfigDict()
-    c.train.steps = 100  # optimizer steps; or null and train.examples
-    c.train.examples = config_dict.placeholder(int)  # examples to train on, instead of steps
-    c.train.seed = 0  # model init and data order
-    c.train.log_every = 10  # optimizer steps between metrics records
-    c.train.eval_every = 0  # optimizer steps between evals; 0 = only at the end
-    # Held-out rows per eval, the first N in a fixed order (the same rows for every split);
-    # 0 = every held-out row.
-    c.train.eval_examples = 0
-    c.train.max_nonfinite_in_row = 10  # stop after this many non-finite micro-batches in a row
-    # multisteps: optax.MultiSteps, one call per micro-batch (K gradient all-reduces per
-    # optimizer step). fused: one call per optimizer step, a local scan over the K
-    # micro-batches and one all-reduce; params are gathered whole inside the step.
-    c.train.accumulation = "multisteps"  # multisteps | fused
-    # exact: a step's loss is Σ weight × token loss / Σ weight over its whole global batch,
-    # for every split. naive: the mean of micro-batch means, as other kits compute it; it
-    # differs wherever rows weigh differently (padding, prompts): for comparison only.
-    c.train.loss_normalisation = "exact"  # exact | naive
-    # Batches loaded ahead by a background thread while the devices compute; 0 = each
-    # batch is loaded in the step's path.
-    c.train.prefetch = 2
-    # Smoothing of the gradient noise scale estimate, per optimizer step (see noise_scale.py).
-    c.train.noise_scale_decay = 0.95
-    c.train.profile_steps = ""  # "START:END": trace optimizer steps START..END-1; "" = off
-
-    # With a workdir, a run also checkpoints on SIGTERM/SIGINT and at the end.
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 100  # optimizer steps between asynchronous saves; 0 = only those two
-    c.checkpoint.keep = 3  # newest checkpoints kept
+    for key in BASE_KEYS:
+        section = c.get(key.section)
+        if section is None:
+            section = c[key.section] = ml_collections.ConfigDict()
+        default = key.default
+        section[key.leaf] = config_dict.placeholder(key.type) if default is None else default
     return c
 
 
@@ -233,93 +420,6 @@ def config_to_json(config: ml_collections.ConfigDict) -> dict:
 # Validation: every value is checked before any work, so a bad one is a message that names
 # its key and constraint, never a traceback (or a silent NaN) after minutes of compiling.
 
-Rule = Callable[[object], str | None]  # None when the value is fine, else what it must be
-
-
-def _show(value: object) -> str:
-    return NULL_WORD if value is None else repr(value) if isinstance(value, str) else str(value)
-
-
-def _integer(low: int, high: int | None = None, *, nullable: bool = False) -> Rule:
-    """An int (not a bool) in [low, high), or null where `nullable`."""
-    want = f"an integer ≥ {low}" if high is None else f"an integer in [{low}, {high})"
-    want = f"null or {want}" if nullable else want
-
-    def check(value: object) -> str | None:
-        if value is None and nullable:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            return f"must be {want}"
-        return None if value >= low and (high is None or value < high) else f"must be {want}"
-
-    return check
-
-
-def _number(low: float, high: float | None = None, *, open_low: bool, open_high: bool) -> Rule:
-    """A finite real (int or float, not a bool) between `low` and `high`."""
-    if high is None:
-        want = f"{'>' if open_low else '≥'} {low:g}"
-    else:
-        want = f"in {'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
-
-    def check(value: object) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"must be a number {want}"
-        if not math.isfinite(value):
-            return f"must be a finite number {want}"
-        above = value > low if open_low else value >= low
-        below = high is None or (value < high if open_high else value <= high)
-        return None if above and below else f"must be {want}"
-
-    return check
-
-
-def _one_of(*choices: str) -> Rule:
-    return lambda value: None if value in choices else f"must be one of {', '.join(choices)}"
-
-
-def _text(*, nullable: bool) -> Rule:
-    def check(value: object) -> str | None:
-        if isinstance(value, str) or (nullable and value is None):
-            return None
-        return "must be null or a string" if nullable else "must be a string"
-
-    return check
-
-
-def _token_path(value: object) -> str | None:
-    if isinstance(value, str) and value.strip():
-        return None
-    return (
-        "must name token files: a directory `jaxkit data prepare` wrote, a file, a directory "
-        "of .bin/.npy files or a glob (local or gs://)"
-    )
-
-
-def _text_file(value: object) -> str | None:
-    """null (the default corpus), or a readable, non-empty local file."""
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.strip():
-        return "must be null (the default corpus) or the path of a text file"
-    path = pathlib.Path(value).expanduser()
-    if not path.is_file():
-        return "is not a file"
-    if path.stat().st_size == 0:
-        return "is an empty file"
-    return None
-
-
-def _null(why: str) -> Rule:
-    return lambda value: None if value is None else f"must be null: {why}"
-
-
-def _mesh_axis(value: object) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, int) or not (value >= 1 or value == -1):
-        return "must be a positive axis size, or -1 to take the remaining devices"
-    return None
-
-
 CUSTOM_KIND = "package.module:factory"  # model.kind of a model of your own
 
 
@@ -328,124 +428,178 @@ def is_custom(kind: object) -> bool:
     return isinstance(kind, str) and ":" in kind
 
 
-def _model_kind(value: object) -> str | None:
+def _check_model_kind(value: object) -> str | None:
     if is_custom(value) or (isinstance(value, str) and value in MODEL_RULES):
         return None
     built_in = ", ".join(kind for kind in MODEL_RULES if not is_custom(kind))
     return f"must be one of {built_in}, or {CUSTOM_KIND} for a model of your own"
 
 
-_POSITIVE = _integer(1)
-_COUNT = _integer(0)  # 0 has a documented meaning (off, or every row)
-# Optimizer step counts are int32 in optax (and the schedules read them): 2**31 overflows.
-_FRACTION_OPEN = _number(0, 1, open_low=False, open_high=True)  # [0, 1)
-
-# Every key of base_config(), and its constraint.
-BASE_RULES: dict[str, Rule] = {
-    "batch.global_batch_size": _integer(1, nullable=True),
-    "batch.per_device_batch_size": _integer(1, nullable=True),
-    "batch.grad_accum_steps": _integer(1, nullable=True),
-    "batch.schedule": _text(nullable=False),
-    "batch.max_global_batch_size": _integer(1, nullable=True),
-    "batch.auto_patience": _POSITIVE,
-    "mesh.data": _mesh_axis,
-    "mesh.fsdp": _mesh_axis,
-    "mesh.tensor": _mesh_axis,
-    "optimizer.name": _one_of("adamw", "sgd"),
-    "optimizer.learning_rate": _number(0, open_low=True, open_high=False),
-    "optimizer.lr_scaling": _one_of(*LR_SCALINGS),
-    "optimizer.reference_batch_size": _integer(1, nullable=True),
-    "optimizer.warmup_steps": _integer(0, 2**31),
-    "optimizer.final_lr_fraction": _number(0, 1, open_low=False, open_high=False),
-    "optimizer.weight_decay": _number(0, open_low=False, open_high=False),
-    "optimizer.b1": _FRACTION_OPEN,
-    "optimizer.b2": _FRACTION_OPEN,
-    "optimizer.momentum": _FRACTION_OPEN,
-    "optimizer.grad_clip_norm": _number(0, open_low=False, open_high=False),
-    "train.steps": _integer(1, 2**31, nullable=True),
-    "train.examples": _integer(1, nullable=True),
-    # jax.random.key keeps 32 bits: seed 2**32 would initialize exactly as seed 0.
-    "train.seed": _integer(0, 2**32),
-    "train.log_every": _POSITIVE,
-    "train.eval_every": _COUNT,
-    "train.eval_examples": _COUNT,
-    "train.max_nonfinite_in_row": _POSITIVE,
-    "train.accumulation": _one_of("multisteps", "fused"),
-    "train.loss_normalisation": _one_of("exact", "naive"),
-    "train.prefetch": _COUNT,
-    "train.noise_scale_decay": _FRACTION_OPEN,  # 1 divides by its bias correction, 1 − 1**n
-    "train.profile_steps": _text(nullable=False),
-    "checkpoint.every": _COUNT,
-    "checkpoint.keep": _POSITIVE,
-    "model.kind": _model_kind,
-}
+MODEL_KIND = _key(
+    "model.kind",
+    REQUIRED,
+    Rule(f"transformer, llama, mlp, or {CUSTOM_KIND}", _check_model_kind),
+    "`transformer`, `llama`, `mlp`, or `package.module:factory` for your own model",
+)
+# Every key of base_config(), and model.kind, with its constraint.
+BASE_RULES: dict[str, Rule] = rules((*BASE_KEYS, MODEL_KIND))
 LM_KINDS = ("transformer", "llama")  # token rows in, logits per position out
 
-
-def _boolean(value: object) -> str | None:
-    return None if isinstance(value, bool) else "must be true or false"
-
-
-_LM_DATA: dict[str, Rule] = {
-    "data.source": _one_of("text", "synthetic", "tokens"),
-    "data.seq_len": _POSITIVE,
-    "data.eval_fraction": _number(0, 1, open_low=True, open_high=True),
+_EVAL_FRACTION = _key(
+    "data.eval_fraction",
+    REQUIRED,
+    number(0, 1, open_low=True, open_high=True),
+    "held-out share: the corpus tail for text, a fixed shuffle otherwise",
+)
+_LM_DATA: tuple[Key, ...] = (
+    _key(
+        "data.source",
+        REQUIRED,
+        one_of("text", "synthetic", "tokens"),
+        "`text` (bytes of a file), `tokens` (token files: `jaxkit data prepare`) or `synthetic`",
+    ),
+    _key("data.seq_len", REQUIRED, POSITIVE, "tokens per row"),
+    _EVAL_FRACTION,
+)
+_SIZES = {
+    "vocab_size": "the vocabulary (≥ 256 for text: bytes)",
+    "d_model": "the residual stream's width",
+    "num_layers": "blocks",
+    "num_heads": "attention heads (d_model / num_heads dimensions each)",
+    "mlp_dim": "the MLP's hidden width",
 }
-# Precision, rematerialisation and scanned layers (layers.py): optional, with defaults.
-_LM_OPTIONS: dict[str, Rule] = {
-    "model.param_dtype": _one_of("float32", "bfloat16"),
-    "model.compute_dtype": _one_of("float32", "bfloat16"),
-    "model.remat": _one_of("none", "full", "dots"),
-    "model.scan_layers": _boolean,
+
+
+def _sizes(*names: str) -> tuple[Key, ...]:
+    return tuple(_key(f"model.{name}", REQUIRED, POSITIVE, _SIZES[name]) for name in names)
+
+
+# Precision, rematerialisation and scanned layers (layers.py): optional, with defaults (and
+# those defaults are what runs saved before them ran as).
+_DTYPE = one_of("float32", "bfloat16")
+LM_OPTION_KEYS: tuple[Key, ...] = (
+    _key("model.param_dtype", "float32", _DTYPE, "the stored params", added="float32"),
+    _key("model.compute_dtype", "float32", _DTYPE, "the matmuls", added="float32"),
+    # Recomputes activations; the params and their updates are the same.
+    _key(
+        "model.remat",
+        "none",
+        one_of("none", "full", "dots"),
+        "activation recompute per block: `none`, `dots` (matmul outputs kept) or `full`",
+        added="none",
+        **_RESUMABLE,
+    ),
+    _key(
+        "model.scan_layers",
+        False,
+        boolean(),
+        "stack the blocks on a layer axis and scan them (a checkpoint does not load across a "
+        "change)",
+        added=False,
+    ),
     # Token files (token_files.py): read where data.source=tokens, checked wherever present.
-    "data.rows": _one_of("windows", "documents"),
-    "data.document_mask": _boolean,
-    "data.token_dtype": _one_of("uint16", "uint32"),
-}
+    _key(
+        "data.rows",
+        "windows",
+        one_of("windows", "documents"),
+        "`tokens`: `windows` (packed across documents) or `documents` (one per row, padded "
+        "at weight 0)",
+        added="windows",
+    ),
+    _key(
+        "data.document_mask",
+        False,
+        boolean(),
+        "`tokens` windows: attention stays inside each document, positions restart",
+        added=False,
+    ),
+    _key(
+        "data.token_dtype",
+        "uint16",
+        one_of("uint16", "uint32"),
+        "`tokens` without `meta.json`: `uint16` (nanoGPT's) or `uint32`",
+        added="uint16",
+    ),
+)
 
-# Each model kind's keys: the model's sizes, and the data it reads.
-MODEL_RULES: dict[str, dict[str, Rule]] = {
-    "transformer": {
-        "model.vocab_size": _POSITIVE,
-        "model.d_model": _POSITIVE,
-        "model.num_layers": _POSITIVE,
-        "model.num_heads": _POSITIVE,
-        "model.mlp_dim": _POSITIVE,
-        **_LM_DATA,
-    },
-    "llama": {
-        "model.vocab_size": _POSITIVE,
-        "model.d_model": _POSITIVE,
-        "model.num_layers": _POSITIVE,
-        "model.num_heads": _POSITIVE,
-        "model.num_kv_heads": _POSITIVE,  # grouped-query attention; = num_heads for MHA
-        "model.mlp_dim": _POSITIVE,
-        "model.tie_embeddings": _boolean,
-        "model.rope_theta": _number(0, open_low=True, open_high=False),
-        **_LM_DATA,
-    },
-    "mlp": {
-        "model.hidden_size": _POSITIVE,
-        "model.num_layers": _POSITIVE,
-        "model.num_classes": _POSITIVE,
-        "data.source": _one_of("digits", "synthetic"),
-        "data.num_features": _POSITIVE,
-        "data.eval_fraction": _number(0, 1, open_low=True, open_high=True),
-    },
-}
-
-# Keys a model kind may leave out, checked where present.
-OPTIONAL_RULES: dict[str, dict[str, Rule]] = {
-    "transformer": _LM_OPTIONS,
-    "llama": _LM_OPTIONS,
-    "mlp": {"data.seq_len": _null("the mlp reads rows, not sequences")},
+# Each model kind's keys: the model's sizes and the data it reads (REQUIRED), and the keys it
+# may leave out (their default applies), checked where present.
+KIND_KEYS: dict[str, tuple[Key, ...]] = {
+    "transformer": (
+        *_sizes("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim"),
+        *_LM_DATA,
+        *LM_OPTION_KEYS,
+    ),
+    "llama": (
+        *_sizes("vocab_size", "d_model", "num_layers", "num_heads"),
+        _key(
+            "model.num_kv_heads",
+            REQUIRED,
+            POSITIVE,
+            "key/value heads for grouped-query attention (divide num_heads; = num_heads for "
+            "plain attention)",
+        ),
+        *_sizes("mlp_dim"),
+        _key("model.tie_embeddings", REQUIRED, boolean(), "the embedding table is the head"),
+        _key(
+            "model.rope_theta",
+            REQUIRED,
+            number(0, open_low=True, open_high=False),
+            "the rotary base period",
+        ),
+        *_LM_DATA,
+        *LM_OPTION_KEYS,
+    ),
+    "mlp": (
+        _key("model.hidden_size", REQUIRED, POSITIVE, "hidden units per layer"),
+        _key("model.num_layers", REQUIRED, POSITIVE, "hidden layers"),
+        _key("model.num_classes", REQUIRED, POSITIVE, "output classes (≥ 10 for digits)"),
+        _key(
+            "data.source",
+            REQUIRED,
+            one_of("digits", "synthetic"),
+            "`digits` (scikit-learn's 8×8 digits) or `synthetic`",
+        ),
+        _key("data.num_features", REQUIRED, POSITIVE, "input features (64 for 8×8 digits)"),
+        _EVAL_FRACTION,
+        _key(
+            "data.seq_len",
+            None,
+            null("the mlp reads rows, not sequences"),
+            "null: the MLP reads rows, not sequences",
+        ),
+    ),
 }
 # Keys only one data source reads: required with that source, checked wherever present.
+SOURCE_KEYS: dict[str, tuple[Key, ...]] = {
+    "text": (
+        _key(
+            "data.path",
+            REQUIRED,
+            TEXT_FILE,
+            "a text file (null = the standard library's `.py` files in sorted order)",
+        ),
+        _key("data.max_bytes", REQUIRED, POSITIVE, "corpus bytes read"),
+    ),
+    "synthetic": (_key("data.num_examples", REQUIRED, POSITIVE, "rows of synthetic data"),),
+    "digits": (),
+    "tokens": (
+        _key(
+            "data.path",
+            REQUIRED,
+            TOKEN_PATH,
+            "a prepared directory, token files, a directory of them or a glob, local or `gs://`",
+        ),
+    ),
+}
+MODEL_RULES: dict[str, dict[str, Rule]] = {
+    kind: rules(k for k in keys if k.default is REQUIRED) for kind, keys in KIND_KEYS.items()
+}
+OPTIONAL_RULES: dict[str, dict[str, Rule]] = {
+    kind: rules(k for k in keys if k.default is not REQUIRED) for kind, keys in KIND_KEYS.items()
+}
 SOURCE_RULES: dict[str, dict[str, Rule]] = {
-    "text": {"data.path": _text_file, "data.max_bytes": _POSITIVE},
-    "synthetic": {"data.num_examples": _POSITIVE},
-    "digits": {},
-    "tokens": {"data.path": _token_path},
+    source: rules(keys) for source, keys in SOURCE_KEYS.items()
 }
 BYTES = 256  # the text source's token ids are bytes
 DIGITS_FEATURES, DIGITS_CLASSES = 64, 10  # scikit-learn's 8×8 digits, labels 0..9
@@ -465,8 +619,33 @@ MODEL_RULES[CUSTOM_CLASSIFIER] = {
     key: rule for key, rule in MODEL_RULES["mlp"].items() if key.startswith("data.")
 }
 OPTIONAL_RULES[CUSTOM_CLASSIFIER] = {
-    "data.seq_len": _null("a classifier reads rows of features, not sequences")
+    "data.seq_len": null("a classifier reads rows of features, not sequences")
 }
+
+
+def all_keys() -> list[Key]:
+    """Every declared key: the shared ones, each model kind's, each data source's."""
+    kinds = [key for keys in KIND_KEYS.values() for key in keys]
+    sources = [key for keys in SOURCE_KEYS.values() for key in keys]
+    return [*BASE_KEYS, MODEL_KIND, *kinds, *sources]
+
+
+# Keys added after runs were saved: a saved config without one ran as this value says.
+ADDED_DEFAULTS: dict[str, object] = {k.name: k.added for k in all_keys() if k.added is not ALWAYS}
+# Keys that may differ between a run and its resumption (see Key.resumable); `name` is the
+# config file's, and train.eval_batches an older run's eval_examples.
+RESUMABLE_KEYS: frozenset[str] = frozenset(
+    {"name", "train.eval_batches"} | {k.name for k in all_keys() if k.resumable}
+)
+# Sections whose every key may change at a resume (keys older runs saved there too).
+RESUMABLE_SECTIONS: frozenset[str] = frozenset(
+    k.section for k in BASE_KEYS if all(o.resumable for o in BASE_KEYS if o.section == k.section)
+)
+
+
+def resumable(name: str) -> bool:
+    """Whether a resume may change the config key `name`."""
+    return name in RESUMABLE_KEYS or name.split(".", 1)[0] in RESUMABLE_SECTIONS
 
 
 def _rules_key(kind: str, source: object, seq_len: object) -> str:
@@ -515,8 +694,8 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     _check(flat, OPTIONAL_RULES[model_rules], None)
     own = SOURCE_RULES.get(str(source), {})
     _check(flat, own, f"data.source={source!r}")
-    for rules in SOURCE_RULES.values():  # other sources' keys, where this one reads none
-        _check(flat, {k: r for k, r in rules.items() if k not in own}, None)
+    for others in SOURCE_RULES.values():  # other sources' keys, where this one reads none
+        _check(flat, {k: r for k, r in others.items() if k not in own}, None)
     _check_relations(flat, kind)
 
 
@@ -551,7 +730,7 @@ def _check_relations(flat: dict[str, Any], kind: str) -> None:
     elif _rules_key(kind, flat["data.source"], flat.get("data.seq_len")) == CUSTOM_CLASSIFIER:
         _check_digits_features(flat)
         if flat["data.source"] == "synthetic":  # its rows are labelled in that many classes
-            _check(flat, {"model.num_classes": _POSITIVE}, "data.source='synthetic'")
+            _check(flat, {"model.num_classes": POSITIVE}, "data.source='synthetic'")
 
 
 def _check_transformer(flat: dict[str, Any]) -> None:

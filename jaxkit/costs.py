@@ -34,7 +34,7 @@ import optax
 
 from jaxkit import compile_cache
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import BatchPlan, divisors
+from jaxkit.batch_plan import Accumulation, BatchPlan, divisors
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import is_lm
 from jaxkit.flops import hardware_flops, model_flops_per_example
@@ -179,7 +179,7 @@ def abstract_batch(
     config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes, dtypes and shardings of the batch one call of `setup.step` takes."""
-    if setup.accumulation == "fused":
+    if setup.accumulation is Accumulation.FUSED:
         lead: tuple[int, ...] = (plan.grad_accum_steps, plan.micro_batch_size)
         sharding = setup.fused_batch_sharding
     else:
@@ -238,7 +238,7 @@ def _with_flop_counts(
     cost: StepCost, config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup, hlo: str
 ) -> StepCost:
     # The fused program is a whole optimizer step; its trips were counted.
-    calls = plan.grad_accum_steps if setup.accumulation == "fused" else 1
+    calls = plan.grad_accum_steps if setup.accumulation is Accumulation.FUSED else 1
     devices = setup.batch_sharding.mesh.size
     return dataclasses.replace(
         cost,
@@ -325,7 +325,7 @@ class StepPrograms:
 
     def __init__(self, config: ml_collections.ConfigDict, setup: Setup):
         self.config, self.setup = config, setup
-        self.fused = setup.accumulation == "fused"
+        self.fused = setup.accumulation is Accumulation.FUSED
         self.compiled: dict[int | None, tuple[jax.stages.Compiled, StepCost]] = {}
 
     def _key(self, plan: BatchPlan) -> int | None:

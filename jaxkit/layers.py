@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from jaxkit.config import LM_OPTION_KEYS
 from jaxkit.mesh import RULES
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -29,12 +30,10 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input is kept
     "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept, the rest recomputed
 }
-# The keys every LM kind reads, with their defaults (configs written before them lack them).
+# The model keys every LM kind reads, with their defaults (configs written before them lack
+# them), as config.LM_OPTION_KEYS declares them.
 LM_DEFAULTS: dict[str, Any] = {
-    "param_dtype": "float32",
-    "compute_dtype": "float32",
-    "remat": "none",
-    "scan_layers": False,
+    key.leaf: key.default for key in LM_OPTION_KEYS if key.section == "model"
 }
 
 

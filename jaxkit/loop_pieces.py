@@ -24,7 +24,7 @@ from etils import epath
 from jax.experimental.multihost_utils import reached_preemption_sync_point
 
 from jaxkit import data as data_lib
-from jaxkit.batch_plan import BatchPlan
+from jaxkit.batch_plan import Accumulation, BatchPlan
 from jaxkit.batch_schedule import AUTO, BatchSchedule
 from jaxkit.checkpoint import Checkpointer
 from jaxkit.config import ConfigError, config_to_json, parse_profile_steps
@@ -181,7 +181,7 @@ class Batches:
     ) -> None:
         self.source, self.seed, self.setup = source, config.train.seed, setup
         self.normalisation = config.train.loss_normalisation
-        self.fused = setup.accumulation == "fused"
+        self.fused = setup.accumulation is Accumulation.FUSED
         self.prefetcher = Prefetcher(self.load, depth=config.train.prefetch)
 
     def load(self, key: tuple[int, int], plan: BatchPlan) -> dict[str, jax.Array]:

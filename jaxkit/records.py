@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 
 from jaxkit import data as data_lib
-from jaxkit.batch_plan import BatchPlan
+from jaxkit.batch_plan import Accumulation, BatchPlan
 from jaxkit.batch_schedule import Position
 from jaxkit.config import LM_KINDS
 from jaxkit.costs import StepCost
@@ -66,7 +66,7 @@ class StepTracker:
         self.max_nonfinite = config.train.max_nonfinite_in_row
         # What a skip is: one micro-batch (MultiSteps drops just that one), or one whole
         # optimizer step (fused mode learns of a bad micro-batch only after the local sums).
-        self.fused = setup.accumulation == "fused"
+        self.fused = setup.accumulation is Accumulation.FUSED
         self.losses: list[float] = []
         self.window_times: list[float] = []
         self.all_times: list[float] = []

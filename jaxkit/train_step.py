@@ -22,9 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import BatchPlan
+from jaxkit.batch_plan import Accumulation, BatchPlan
 from jaxkit.batch_schedule import BatchSchedule, fixed_schedule
-from jaxkit.config import ConfigError
 from jaxkit.fused_step import fused_train_step
 from jaxkit.models import (
     build_model,
@@ -58,9 +57,9 @@ class Setup:
     state_shardings: TrainState
     batch_sharding: jax.sharding.NamedSharding  # a micro-batch: rows over the batch axes
     init: jax.stages.Wrapped  # jitted key -> state, born sharded
-    # "multisteps": step takes one micro-batch per call. "fused": one (K, rows, ...) batch
-    # per call, sharded as fused_batch_sharding, and makes a whole optimizer step.
-    accumulation: str
+    # MULTISTEPS: step takes one micro-batch per call. FUSED: one (K, rows, ...) batch per
+    # call, sharded as fused_batch_sharding, and makes a whole optimizer step.
+    accumulation: Accumulation
     fused_batch_sharding: jax.sharding.NamedSharding
     step: jax.stages.Wrapped  # jitted (state, batch, hyper) -> (state, metrics), donated state
     eval_step: Callable  # jitted (params, batch) -> metrics
@@ -119,16 +118,14 @@ def build(
 
     # Shardings are fixed here, at the jit boundary: state as RULES say, rows over the
     # batch axes, metrics replicated. The state is donated: its buffers are reused in place.
-    accumulation = config.train.accumulation
+    accumulation = Accumulation(config.train.accumulation)  # config.check_values checked it
     fused_batch_sharding = NamedSharding(mesh, P(None, mesh_lib.BATCH_AXES))
-    if accumulation == "multisteps":
-        step_fn = functools.partial(train_step, graphdef=graphdef, config=config)
-        step_batch_sharding = batch_sharding
-    elif accumulation == "fused":
+    if accumulation is Accumulation.FUSED:
         step_fn = functools.partial(fused_train_step, graphdef=graphdef, config=config, mesh=mesh)
         step_batch_sharding = fused_batch_sharding
     else:
-        raise ConfigError(f"train.accumulation={accumulation!r} is not one of multisteps, fused")
+        step_fn = functools.partial(train_step, graphdef=graphdef, config=config)
+        step_batch_sharding = batch_sharding
     step = jax.jit(
         on_mesh(step_fn, mesh),
         in_shardings=(state_shardings, step_batch_sharding, replicated),

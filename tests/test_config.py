@@ -111,3 +111,65 @@ def test_a_float_override_too_large_for_a_float_is_inf_not_a_crash():
     c = load_config("lm_tiny")
     apply_overrides(c, ["optimizer.learning_rate=1" + "0" * 400])  # int() reads it, float() not
     assert c.optimizer.learning_rate == float("inf")  # which validate() refuses as not finite
+
+
+# Each key is declared once (jaxkit/keys.py's form); what the kit reads is derived from it.
+
+
+def test_every_declared_key_has_a_doc_and_its_default_passes_its_rule():
+    from jaxkit.config import all_keys, available_configs
+    from jaxkit.keys import REQUIRED
+
+    keys = all_keys()
+    for name in available_configs():  # every key a shipped config sets is declared
+        assert set(flat_keys(load_config(name))) - {"name"} <= {k.name for k in keys}, name
+    for key in keys:
+        assert key.doc.strip(), key.name
+        assert str(key.rule.text).strip(), key.name
+        if key.default is not REQUIRED:
+            assert key.rule(key.default) is None, (key.name, key.default)
+
+
+def test_base_config_and_the_rules_come_from_the_declaration():
+    from jaxkit.config import BASE_KEYS, BASE_RULES, base_config, flatten
+
+    flat = flatten(base_config())
+    assert sorted(flat) == sorted(k.name for k in BASE_KEYS)
+    for key in BASE_KEYS:
+        assert flat[key.name] == key.default
+        assert BASE_RULES[key.name] is key.rule
+    # A placeholder keeps its declared type: an override is read as that type.
+    c = base_config()
+    apply_overrides(c, ["batch.global_batch_size=8", "optimizer.learning_rate=1"])
+    assert c.batch.global_batch_size == 8 and isinstance(c.optimizer.learning_rate, float)
+
+
+def test_a_resume_may_change_exactly_the_keys_declared_resumable():
+    from jaxkit.checkpoint import config_conflicts
+    from jaxkit.config import all_keys, resumable
+
+    saved = load_config("lm_tiny").to_dict()
+    for key in all_keys():
+        if key.name not in flat_keys(load_config("lm_tiny")):
+            continue
+        section, leaf = key.name.split(".")
+        current = load_config("lm_tiny").to_dict()
+        current[section][leaf] = "changed"
+        assert bool(config_conflicts(saved, current)) is not key.resumable, key.name
+        assert resumable(key.name) is key.resumable
+    # Keys an older run saved in a section that is wholly resumable stay resumable.
+    assert resumable("mesh.some_older_axis") and not resumable("model.some_older_size")
+
+
+def test_a_run_saved_before_a_key_existed_ran_as_its_added_default():
+    from jaxkit.checkpoint import config_conflicts
+    from jaxkit.config import ADDED_DEFAULTS
+
+    current = load_config("lm_tiny").to_dict()
+    for name, added in ADDED_DEFAULTS.items():
+        section, leaf = name.split(".")
+        saved = load_config("lm_tiny").to_dict()
+        saved[section].pop(leaf, None)
+        current[section][leaf] = added
+        assert config_conflicts(saved, current) == [], name
+    assert ADDED_DEFAULTS["model.remat"] == "none" and ADDED_DEFAULTS["data.rows"] == "windows"
