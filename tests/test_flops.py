@@ -307,7 +307,8 @@ def test_plan_gives_model_flops_per_device_as_records_do_and_all_devices_by_name
     """Every model_flops_per_step is per device; the whole mesh's is named so."""
     from jaxkit import cli
 
-    # mlp_digits: 64 → 128 → 128 → 10, weights and biases; 6 × params per example (README).
+    # mlp_digits: 64 → 128 → 128 → 10, weights and biases; 6 × params per example
+    # (docs/models-at-scale.md).
     params = (64 * 128 + 128) + (128 * 128 + 128) + (128 * 10 + 10)
     every = 6 * params * 32  # a global batch of 32 rows
     assert cli.main(["plan", "mlp_digits", "--json"]) == 0

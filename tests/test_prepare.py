@@ -744,7 +744,7 @@ def test_a_damaged_gzip_or_a_gzipped_parquet_is_refused(tmp_path, capsys):
 
 
 def test_text_that_is_not_utf8_is_refused_by_every_tokenizer(tmp_path, bpe, capsys):
-    # README lists it among the refusals; each names the file, and the line of a .jsonl, and
+    # docs/data.md lists it among the refusals; each names the file, and the line of a .jsonl, and
     # the offset of the first bad byte in the file (decompressed, for a .gz).
     latin1 = "naïve café".encode("latin-1")
     first = latin1.index(b"\xef")  # "ï" is 0xef in Latin-1, not a UTF-8 sequence here

@@ -355,7 +355,7 @@ def test_held_out_rows_that_score_nothing_are_refused_before_training(tmp_path):
 
 
 def test_plan_refuses_token_data_above_the_vocabulary_as_train_does(tmp_path, capsys):
-    """README: the checks apply to `plan` too; the prepared vocabulary, and a foreign file's
+    """docs/data.md: the checks apply to `plan` too; the prepared vocabulary, and a foreign file's
     largest id, against model.vocab_size."""
     from jaxkit import cli
 
@@ -477,7 +477,8 @@ def test_a_resume_on_re_prepared_tokens_is_refused_naming_what_changed(token_run
 
 def test_another_config_on_a_workdir_lists_the_config_differences(token_run, capsys):
     """`jaxkit train mlp_digits --workdir W` on lm_tiny's W: the configs are compared
-    first, so the message lists their differences (as README promises), not the data's."""
+    first, so the message lists their differences (as docs/checkpoints.md promises), not
+    the data's."""
     from jaxkit import cli
 
     *_, workdir, _ = token_run
