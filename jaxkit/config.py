@@ -240,7 +240,7 @@ BASE_KEYS: tuple[Key, ...] = (
     # Both modes keep MultiSteps' state layout, so a resume may switch.
     _key(
         "train.accumulation",
-        "multisteps",
+        Accumulation.MULTISTEPS.value,
         one_of(*(mode.value for mode in Accumulation)),
         "`multisteps` (one call per micro-batch, `optax.MultiSteps`, K gradient all-reduces "
         "per optimizer step) or `fused` (one call per optimizer step: a local scan over the K "

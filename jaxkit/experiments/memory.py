@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxkit import costs, rss
 from jaxkit import mesh as mesh_lib
+from jaxkit.batch_plan import Accumulation
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.experiments.common import Report, Request, drive, new_figure, powers_of_two, preamble
 from jaxkit.train_step import abstract_state, build
@@ -89,7 +90,7 @@ def _plan(request: Request) -> tuple[_Sweep, list[Unit]]:
     # The config's own batch is one of the points, where the sweep reaches it.
     batches = sorted(set(powers_of_two(top)) | ({b0} if b0 <= top else set()))
     units: list[Unit] = [("batch", b) for b in batches]
-    units += [(mode, k) for mode in ("multisteps", "fused") for k in ACCUM_SWEEP]
+    units += [(mode, k) for mode in Accumulation for k in ACCUM_SWEEP]
     measure = supported_rss(devices)
     rss_batches = _spread(batches, options.rss_points) if measure else []
     units += [("rss", b) for b in rss_batches]
@@ -216,14 +217,14 @@ def _render_accumulation(sweep: _Sweep, report: Report, swept: int) -> None:
             k,
             *(
                 costs.format_bytes(by_accum[(m, k)].memory_bytes) if (m, k) in by_accum else "-"
-                for m in ("multisteps", "fused")
+                for m in Accumulation
             ),
         )
         for k in ks
     ]
     report.table(("grad_accum_steps", "multisteps memory", "fused memory"), rows)
     fig, ax = new_figure()
-    for mode, marker in (("multisteps", "o-"), ("fused", "s--")):
+    for mode, marker in zip(Accumulation, ("o-", "s--"), strict=True):
         pts = sorted((k, c.memory_bytes / MIB) for (m, k), c in by_accum.items() if m == mode)
         if pts:
             ax.plot(*zip(*pts, strict=True), marker, label=mode)
