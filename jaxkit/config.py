@@ -27,7 +27,6 @@ from jaxkit.keys import (
     REQUIRED,
     TEXT_FILE,
     TOKEN_PATH,
-    ConfigError,
     Key,
     Rule,
     boolean,
@@ -36,6 +35,9 @@ from jaxkit.keys import (
     number,
     one_of,
     rules,
+)
+from jaxkit.keys import (
+    ConfigError as ConfigError,  # raised here; models/ import it from keys
 )
 from jaxkit.keys import show as _show
 from jaxkit.keys import (
