@@ -26,7 +26,7 @@ import jax
 import ml_collections
 
 from jaxkit import hlo
-from jaxkit.config import LM_KINDS, is_lm
+from jaxkit.models import contract
 
 _SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?(\w+)\[([\d,]*)\]")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -34,16 +34,10 @@ _OPERANDS = re.compile(r"\b(?:dot|convolution|custom-call)\((%[\w.\-]+),\s*(%[\w
 
 
 def matmul_params(config: ml_collections.ConfigDict, params: dict) -> int:
-    """Params that take part in a matmul: all but the tables read by lookup."""
-    m = config.model
-    if m.kind not in LM_KINDS:  # the MLP's, or a model of your own: every param
-        return sum(leaf.size for leaf in jax.tree.leaves(params))
-    # Kernels, and a tied table (it is the head); not biases or norm scales (no matmul),
-    # nor tables read by lookup.
-    tied = m.kind == "llama" and m.tie_embeddings
-    weights = {"kernel", "embedding"} if tied else {"kernel"}
+    """Params that take part in a matmul, as the model kind's contract counts them."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return sum(leaf.size for path, leaf in leaves if str(getattr(path[-1], "key", "")) in weights)
+    named = [(str(getattr(path[-1], "key", "")), leaf.size) for path, leaf in leaves]
+    return contract(config).matmul_params(config, named)
 
 
 def model_flops_per_example(config: ml_collections.ConfigDict) -> float:
@@ -51,13 +45,7 @@ def model_flops_per_example(config: ml_collections.ConfigDict) -> float:
     from jaxkit.train_step import abstract_params  # the model's shapes, nothing allocated
 
     n = matmul_params(config, abstract_params(config))
-    if not is_lm(config):
-        return 6.0 * n
-    m, seq_len = config.model, config.data.seq_len
-    if m.kind not in LM_KINDS:  # a model of your own: its architecture is not known here
-        return 6.0 * n * seq_len
-    per_token = 6.0 * n + 12.0 * m.num_layers * m.d_model * seq_len
-    return per_token * seq_len
+    return contract(config).flops_per_example(config, n)
 
 
 def hardware_flops(hlo_text: str) -> float:

@@ -26,11 +26,11 @@ from jaxkit import costs
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.batch_schedule import BatchSchedule, schedule_from_config
-from jaxkit.config import LM_KINDS, ConfigError
+from jaxkit.config import ConfigError
 from jaxkit.data import checked_sources
 from jaxkit.flops import model_flops_per_example
 from jaxkit.layers import REMAT_POLICIES, lm_option
-from jaxkit.models import check_mesh_divides
+from jaxkit.models import check_mesh_divides, contract
 from jaxkit.records import model_facts
 from jaxkit.targets import Target, batch_shards_per_host, target_devices
 from jaxkit.train_step import check_on_mesh
@@ -67,7 +67,7 @@ def resolve_remat(
 ) -> list[str | None]:
     """The activation-recompute policies to compare (--remat's comma-separated list, or a
     sequence); without them the config's own (None for a model without remat)."""
-    has_remat = config.model.kind in LM_KINDS
+    has_remat = contract(config).READS_LM_OPTIONS
     if policies is None:
         return [lm_option(config.model, "remat") if has_remat else None]
     text = policies if isinstance(policies, str) else ",".join(policies)

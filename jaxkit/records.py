@@ -17,9 +17,8 @@ import numpy as np
 from jaxkit import data as data_lib
 from jaxkit.batch_plan import Accumulation, BatchPlan
 from jaxkit.batch_schedule import Position
-from jaxkit.config import LM_KINDS
 from jaxkit.costs import StepCost
-from jaxkit.layers import LM_DEFAULTS, lm_option
+from jaxkit.models import contract
 from jaxkit.noise_scale import SMALL_BATCH_ROWS, NoiseScale, has_two_batch_sizes
 from jaxkit.peak import Peak
 from jaxkit.train_step import Setup
@@ -322,10 +321,7 @@ def model_facts(config: ml_collections.ConfigDict) -> dict:
     """Param count, and for a language model its precision, remat and layer layout."""
     from jaxkit.flops import param_count
 
-    facts: dict = {"param_count": param_count(config)}
-    if config.model.kind in LM_KINDS:
-        facts |= {key: lm_option(config.model, key) for key in LM_DEFAULTS}
-    return facts
+    return {"param_count": param_count(config), **contract(config).facts(config)}
 
 
 def format_summary(s: dict) -> str:

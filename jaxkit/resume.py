@@ -21,9 +21,9 @@ from jaxkit import data as data_lib
 from jaxkit.batch_plan import BatchPlan, BatchPlanError
 from jaxkit.batch_schedule import AutoRamp, BatchSchedule, schedule_from_config
 from jaxkit.checkpoint import Restored, position_of
-from jaxkit.config import LM_KINDS
 from jaxkit.layers import LM_DEFAULTS, lm_option
 from jaxkit.metrics import truncate_metrics
+from jaxkit.models import contract
 from jaxkit.records import StepTracker, summarize
 from jaxkit.train_step import Setup, TrainState
 from jaxkit.workdir import as_path, write_text_atomic
@@ -180,7 +180,8 @@ def resume_events(
             }
         )
     saved_remat = meta["config"].get("model", {}).get("remat", LM_DEFAULTS["remat"])
-    if config.model.kind in LM_KINDS and saved_remat != lm_option(config.model, "remat"):
+    reads_remat = contract(config).READS_LM_OPTIONS
+    if reads_remat and saved_remat != lm_option(config.model, "remat"):
         # Same model, other recomputation: hardware FLOPs (and HFU, memory) move from here.
         events.append(
             {

@@ -1,14 +1,15 @@
 """A config checked whole before any work: every value, and a model of your own's factory.
 
-It sits above `config` and `custom_model`: the model's check needs the config's rules and
-errors, so the config cannot ask for the model's check itself.
+It sits above `config` and the model kinds' contracts (jaxkit/models/): a model of your
+own's check needs the config's rules and errors, so the config cannot ask for it itself.
 """
 
 from __future__ import annotations
 
 import ml_collections
 
-from jaxkit.config import check_values, is_custom
+from jaxkit.config import check_values
+from jaxkit.models import contract
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -16,9 +17,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     the first bad key and its constraint. A model of your own is imported and built from
     shapes alone, its logits checked against the data."""
     check_values(config)
-    if is_custom(str(config.model.kind)):
-        # Here, not at the top: flax loads only for a model of your own, as the CLI checks
-        # every config before JAX starts.
-        from jaxkit import custom_model
-
-        custom_model.check(config)
+    # Flax loads only for a model of your own (its contract builds it from shapes), as the
+    # CLI checks every config before JAX starts.
+    contract(config).check_model(config)

@@ -22,7 +22,6 @@ import jax
 import ml_collections
 from matplotlib.figure import Figure
 
-from jaxkit.config import LM_KINDS
 from jaxkit.costs import predicted_speed, split_config, with_remat
 from jaxkit.experiments.common import (
     Report,
@@ -35,6 +34,7 @@ from jaxkit.experiments.common import (
     unit_config,
 )
 from jaxkit.layers import REMAT_POLICIES, lm_option
+from jaxkit.models import contract
 
 DEFAULT_STEPS = 6
 ACCUM_SWEEP = (1, 2, 4, 8)
@@ -76,7 +76,7 @@ def _plan(request: Request) -> tuple[_Sweep, list[Unit]]:
     b0 = plan.per_device_batch_size
     top = options.max_per_device_batch or 4 * b0
     batches = powers_of_two(top)
-    own = lm_option(config.model, "remat") if config.model.kind in LM_KINDS else None
+    own = lm_option(config.model, "remat") if contract(config).READS_LM_OPTIONS else None
     units: list[Unit] = [(b, 1, own) for b in batches]
     units += [(b0, k, own) for k in ACCUM_SWEEP if k > 1]
     if own is not None:  # each policy at the configured batch, K = 1

@@ -1,0 +1,154 @@
+"""The Llama-style decoder (model.kind="llama") in flax NNX: RMSNorm, rotary positions,
+SwiGLU MLP, no biases, grouped-query attention and optional tied embeddings. Params carry
+their partitioning (mesh.RULES).
+
+Shape legend: B batch rows, L sequence length, D d_model, H query heads, G key/value heads,
+K head dim, F MLP hidden width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from jaxkit import layers
+from jaxkit.mesh import RULES, constrain
+
+INIT_STDDEV = 0.02  # GPT-2's; residual outputs are scaled down further by depth
+
+
+def rotary(x_BxLxNxK: jax.Array, theta: float, positions_BxL: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding (rotate-half form), angles computed in float32; positions
+    0..L-1 unless given (packed documents restart at 0)."""
+    L, K = x_BxLxNxK.shape[1], x_BxLxNxK.shape[3]
+    inv_freq_K2 = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
+    pos_BxL = jnp.arange(L)[None] if positions_BxL is None else positions_BxL
+    angles_BxLxK2 = pos_BxL.astype(jnp.float32)[..., None] * inv_freq_K2
+    cos, sin = jnp.cos(angles_BxLxK2)[:, :, None, :], jnp.sin(angles_BxLxK2)[:, :, None, :]
+    x1, x2 = jnp.split(x_BxLxNxK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxNxK.dtype)
+
+
+class LlamaBlock(nnx.Module):
+    def __init__(self, m: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+        param_dtype, dtype = layers.dtypes(m)
+        D, H, G, F = m.d_model, m.num_heads, m.num_kv_heads, m.mlp_dim
+        K = D // H
+        self.num_heads, self.num_kv_heads, self.rope_theta = H, G, float(m.rope_theta)
+        init = nnx.initializers.normal(INIT_STDDEV)
+        # Each block adds two outputs to the residual stream: scaled so its variance stays
+        # put with depth (GPT-2's 1/sqrt(2 × layers)).
+        out_init = nnx.initializers.normal(INIT_STDDEV / math.sqrt(2 * m.num_layers))
+        kw: dict[str, Any] = dict(dtype=dtype, param_dtype=param_dtype)
+        self.attn_norm = layers.rms_norm(D, rngs, **kw)
+        self.query = layers.linear(D, H * K, "in_proj", None, rngs, kernel_init=init, **kw)
+        self.key = layers.linear(D, G * K, "in_proj", None, rngs, kernel_init=init, **kw)
+        self.value = layers.linear(D, G * K, "in_proj", None, rngs, kernel_init=init, **kw)
+        self.attn_out = layers.linear(H * K, D, "out_proj", None, rngs, kernel_init=out_init, **kw)
+        self.mlp_norm = layers.rms_norm(D, rngs, **kw)
+        self.gate = layers.linear(D, F, "in_proj", None, rngs, kernel_init=init, **kw)
+        self.up = layers.linear(D, F, "in_proj", None, rngs, kernel_init=init, **kw)
+        self.down = layers.linear(F, D, "out_proj", None, rngs, kernel_init=out_init, **kw)
+
+    def __call__(
+        self,
+        x_BxLxD: jax.Array,
+        mask_Bx1xLxL: jax.Array | None = None,
+        positions_BxL: jax.Array | None = None,
+    ) -> jax.Array:
+        B, L, D = x_BxLxD.shape
+        H, G = self.num_heads, self.num_kv_heads
+        K = D // H
+        h_BxLxD = self.attn_norm(x_BxLxD)
+        q_BxLxHxK = rotary(self.query(h_BxLxD).reshape(B, L, H, K), self.rope_theta, positions_BxL)
+        k_BxLxGxK = rotary(self.key(h_BxLxD).reshape(B, L, G, K), self.rope_theta, positions_BxL)
+        v_BxLxGxK = self.value(h_BxLxD).reshape(B, L, G, K)
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = (
+            constrain(t, "batch", None, "heads", None) for t in (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
+        )
+        # Each group of H / G query heads shares one key/value head; softmax in float32.
+        a_BxLxHxK = jax.nn.dot_product_attention(
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=mask_Bx1xLxL, is_causal=True
+        )
+        a_BxLxHxK = constrain(a_BxLxHxK, "batch", None, "heads", None)
+        x_BxLxD = constrain(
+            x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, H * K)), "batch", None, None
+        )
+        h_BxLxD = self.mlp_norm(x_BxLxD)
+        h_BxLxF = constrain(
+            jax.nn.silu(self.gate(h_BxLxD)) * self.up(h_BxLxD), "batch", None, "mlp"
+        )
+        return constrain(x_BxLxD + self.down(h_BxLxF), "batch", None, None)
+
+
+class LlamaLM(nnx.Module):
+    def __init__(self, m: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+        param_dtype, self.dtype = layers.dtypes(m)
+        self.remat, self.scan = layers.lm_option(m, "remat"), layers.lm_option(m, "scan_layers")
+        self.tie_embeddings = m.tie_embeddings
+        self.embed = nnx.Embed(
+            m.vocab_size,
+            m.d_model,
+            embedding_init=nnx.with_partitioning(
+                nnx.initializers.normal(INIT_STDDEV), RULES["embed"]
+            ),
+            dtype=self.dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.blocks = layers.make_blocks(
+            lambda r: LlamaBlock(m, rngs=r), m.num_layers, self.scan, rngs
+        )
+        self.final_norm = layers.rms_norm(
+            m.d_model, rngs, dtype=self.dtype, param_dtype=param_dtype
+        )
+        if not self.tie_embeddings:
+            self.head = layers.linear(
+                m.d_model,
+                m.vocab_size,
+                "logits",
+                None,
+                rngs,
+                kernel_init=nnx.initializers.normal(INIT_STDDEV),
+                dtype=self.dtype,
+                param_dtype=param_dtype,
+            )
+
+    def __call__(
+        self,
+        tokens_BxL: jax.Array,
+        segment_ids_BxL: jax.Array | None = None,
+        positions_BxL: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits; with segment ids and positions, as models.TransformerLM."""
+        # The table whole before the lookup, as in models.TransformerLM.
+        table_VxD = constrain(self.embed.embedding[...], None, None)
+        x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype)
+        x_BxLxD = constrain(x_BxLxD, "batch", None, None)
+        mask = layers.document_mask(segment_ids_BxL)
+        x_BxLxD = layers.run_blocks(
+            self.blocks, x_BxLxD, self.remat, self.scan, mask, positions_BxL
+        )
+        h_BxLxD = self.final_norm(x_BxLxD)
+        logits_BxLxV = self.embed.attend(h_BxLxD) if self.tie_embeddings else self.head(h_BxLxD)
+        return constrain(logits_BxLxV, "batch", None, None)
+
+
+def parameter_count(m: ml_collections.ConfigDict) -> dict[str, int]:
+    """Params by kind, in closed form: the embedding table, the output head (0 when tied),
+    and the blocks and final norm."""
+    D, H, G, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size
+    K = D // H
+    attention = D * H * K + 2 * D * G * K + H * K * D
+    block = attention + 3 * D * F + 2 * D  # SwiGLU's three matrices; two RMSNorm scales
+    return {
+        "embedding": V * D,
+        "head": 0 if m.tie_embeddings else D * V,
+        "blocks": m.num_layers * block + D,
+    }

@@ -1,0 +1,123 @@
+"""The byte Transformer LM (model.kind="transformer") in flax NNX: pre-norm blocks of causal
+self-attention and a GELU MLP, learned positions. Params carry their partitioning
+(mesh.RULES).
+
+Shape legend: B batch rows, L sequence length, D d_model, H heads, K head dim,
+F MLP hidden width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from jaxkit import layers
+from jaxkit.keys import ConfigError
+from jaxkit.mesh import RULES, constrain
+
+_linear = layers.linear
+
+
+class Block(nnx.Module):
+    """Pre-norm Transformer block: causal self-attention, then a GELU MLP."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        mlp_dim: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+    ):
+        self.num_heads = num_heads
+        kw: dict[str, Any] = dict(dtype=dtype, param_dtype=param_dtype)
+        self.ln_attn = layers.layer_norm(d_model, rngs, **kw)
+        self.query = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs, **kw)
+        # No key bias: it adds q·b to every logit of a query, which softmax cancels, so its
+        # gradient is zero up to round-off and Adam would turn that noise into steps.
+        self.key = _linear(d_model, d_model, "in_proj", None, rngs, **kw)
+        self.value = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs, **kw)
+        self.attn_out = _linear(d_model, d_model, "out_proj", "vector", rngs, **kw)
+        self.ln_mlp = layers.layer_norm(d_model, rngs, **kw)
+        self.mlp_in = _linear(d_model, mlp_dim, "in_proj", "hidden_bias", rngs, **kw)
+        self.mlp_out = _linear(mlp_dim, d_model, "out_proj", "vector", rngs, **kw)
+
+    def __call__(
+        self, x_BxLxD: jax.Array, mask_Bx1xLxL: jax.Array | None = None, *_: jax.Array | None
+    ) -> jax.Array:
+        B, L, D = x_BxLxD.shape
+        H = self.num_heads
+        h_BxLxD = self.ln_attn(x_BxLxD)
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = (
+            constrain(proj(h_BxLxD).reshape(B, L, H, D // H), "batch", None, "heads", None)
+            for proj in (self.query, self.key, self.value)
+        )
+        a_BxLxHxK = jax.nn.dot_product_attention(
+            q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, mask=mask_Bx1xLxL, is_causal=True
+        )
+        a_BxLxHxK = constrain(a_BxLxHxK, "batch", None, "heads", None)
+        x_BxLxD = constrain(
+            x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, D)), "batch", None, None
+        )
+        h_BxLxF = constrain(jax.nn.gelu(self.mlp_in(self.ln_mlp(x_BxLxD))), "batch", None, "mlp")
+        return constrain(x_BxLxD + self.mlp_out(h_BxLxF), "batch", None, None)
+
+
+class TransformerLM(nnx.Module):
+    """Decoder-only byte LM with learned positions."""
+
+    def __init__(self, m: ml_collections.ConfigDict, *, seq_len: int, rngs: nnx.Rngs):
+        """From the config's model section, as LlamaLM; `seq_len` (data.seq_len) is the
+        length of the learned position table."""
+        vocab_size, d_model, num_heads = m.vocab_size, m.d_model, m.num_heads
+        if d_model % num_heads:
+            raise ConfigError(f"model.d_model={d_model} is not divisible by num_heads={num_heads}")
+        param_dtype, self.dtype = layers.dtypes(m)
+        self.remat, self.scan = layers.lm_option(m, "remat"), layers.lm_option(m, "scan_layers")
+        kw: dict[str, Any] = dict(dtype=self.dtype, param_dtype=param_dtype)
+        embed_init = nnx.initializers.normal(stddev=0.02)
+        self.embed = nnx.Embed(
+            vocab_size,
+            d_model,
+            embedding_init=nnx.with_partitioning(embed_init, RULES["embed"]),
+            rngs=rngs,
+            **kw,
+        )
+        self.pos_embed = nnx.Param(
+            nnx.with_partitioning(embed_init, RULES["pos_embed"])(
+                rngs.params(), (seq_len, d_model), kw["param_dtype"]
+            )
+        )
+        self.blocks = layers.make_blocks(
+            lambda r: Block(d_model, num_heads, m.mlp_dim, rngs=r, **kw),
+            m.num_layers,
+            self.scan,
+            rngs,
+        )
+        self.ln_final = layers.layer_norm(d_model, rngs, **kw)
+        self.head = _linear(d_model, vocab_size, "logits", "vector", rngs, **kw)
+
+    def __call__(
+        self,
+        tokens_BxL: jax.Array,
+        segment_ids_BxL: jax.Array | None = None,
+        positions_BxL: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits; with segment ids and positions (packed documents, data.document_mask),
+        attention stays inside each document and positions restart at each."""
+        L = tokens_BxL.shape[1]
+        # The table whole before the lookup (FSDP gathers every param for its layer anyway):
+        # a gather from a table sharded on d_model cannot make rows sharded by batch.
+        table_VxD = constrain(self.embed.embedding[...], None, None)
+        pos_xLxD = self.pos_embed[:L] if positions_BxL is None else self.pos_embed[positions_BxL]
+        x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0) + pos_xLxD
+        x_BxLxD = constrain(x_BxLxD.astype(self.dtype), "batch", None, None)
+        mask = layers.document_mask(segment_ids_BxL)
+        x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan, mask)
+        return constrain(self.head(self.ln_final(x_BxLxD)), "batch", None, None)  # logits_BxLxV

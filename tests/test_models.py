@@ -1,0 +1,135 @@
+"""jaxkit.models: every model kind provides the whole contract, and it describes the network
+the kind builds."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxkit import models
+from jaxkit.config import apply_overrides, load_config
+from jaxkit.keys import ConfigError
+from jaxkit.models import Contract
+
+
+def _annotated(fan_in, fan_out, rngs):
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", None))
+    bias = nnx.with_partitioning(nnx.initializers.zeros_init(), (None,))
+    return nnx.Linear(fan_in, fan_out, kernel_init=init, bias_init=bias, rngs=rngs)
+
+
+def tiny_lm(config, rngs):
+    """A model of your own over token rows: one-hot tokens through a linear map."""
+    vocab = config.model.vocab_size
+    linear = _annotated(vocab, vocab, rngs)
+    return nnx.Sequential(lambda tokens: jax.nn.one_hot(tokens, vocab), linear)
+
+
+def tiny_classifier(config, rngs):
+    """A model of your own over rows of features."""
+    return _annotated(config.data.num_features, config.model.num_classes, rngs)
+
+
+# Each kind, and a config of it (a model of your own from the factories above).
+KIND_CONFIGS = {
+    "transformer": ("lm_tiny", []),
+    "llama": ("llama_tiny", []),
+    "mlp": ("mlp_digits", []),
+    "custom": ("lm_tiny", [f"model.kind={__name__}:tiny_lm"]),
+    "custom_classifier": ("mlp_digits", [f"model.kind={__name__}:tiny_classifier"]),
+}
+
+
+def _contract_of(kind):
+    return models.KINDS.get(kind, models.CUSTOM)
+
+
+def _config(kind):
+    name, overrides = KIND_CONFIGS[kind]
+    config = load_config(name)
+    apply_overrides(config, overrides)
+    return config
+
+
+def _members():
+    """The contract's members: its attributes, and its functions with their parameters."""
+    hints = inspect.get_annotations(Contract)
+    functions = {
+        name: list(inspect.signature(fn).parameters)[1:]  # less self
+        for name, fn in vars(Contract).items()
+        if inspect.isfunction(fn) and not name.startswith("_")
+    }
+    return hints, functions
+
+
+def test_every_kind_is_registered_once_and_a_factory_names_your_own():
+    assert set(models.KINDS) == {"transformer", "llama", "mlp"}
+    for name, kind in models.KINDS.items():
+        assert models.kind_of(name) is kind
+    assert models.kind_of("mymodel:make") is models.CUSTOM
+    with pytest.raises(ConfigError) as err:
+        models.kind_of("gpt")
+    assert str(err.value) == (
+        "model.kind='gpt' is not one of transformer, llama, mlp, package.module:factory"
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_CONFIGS))
+def test_each_kind_provides_the_whole_contract(kind):
+    contract = _contract_of(kind)
+    hints, functions = _members()
+    assert hints and len(functions) >= 8  # the reader found the contract
+    for name in hints:
+        assert isinstance(getattr(contract, name), bool), name
+    for name, parameters in functions.items():
+        fn = getattr(contract, name)
+        assert list(inspect.signature(fn).parameters) == parameters, name
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_CONFIGS))
+def test_the_contract_describes_the_network_it_builds(kind):
+    config = _config(kind)
+    contract = models.contract(config)
+    assert contract is _contract_of(kind)
+    contract.check_model(config)
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: contract.build(config, nnx.Rngs(0)))
+    d = config.data
+    if contract.is_lm(config):
+        inputs = jax.ShapeDtypeStruct((2, d.seq_len), jnp.int32)
+        want = (2, d.seq_len, config.model.vocab_size)
+    else:
+        inputs = jax.ShapeDtypeStruct((2, d.num_features), jnp.float32)
+        want = (2, config.model.num_classes)
+    assert nnx.eval_shape(lambda m, x: m(x), model, inputs).shape == want
+    # Every size the contract lists as sharded is a config value the network has a dimension of.
+    shapes = {s for _, p in nnx.to_flat_state(nnx.state(model, nnx.Param)) for s in p.shape}
+    for key, size, _ in contract.sharded_sizes(config):
+        section, leaf = key.split(".")
+        assert config[section][leaf] == size and size in shapes, key
+    # Matmul params are a part of the params, and model FLOPs follow from them: 6 per matmul
+    # param per example for a classifier, more (× tokens, and attention) for an LM.
+    params = [(str(path[-1]), p.size) for path, p in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    n = contract.matmul_params(config, params)
+    assert 0 < n <= sum(size for _, size in params)
+    per_example = contract.flops_per_example(config, n)
+    assert per_example >= 6 * n * (d.seq_len if contract.is_lm(config) else 1)
+    # Only the kinds that read the LM options report them.
+    facts = contract.facts(config)
+    assert bool(facts) == contract.READS_LM_OPTIONS
+    assert set(facts) <= {"param_dtype", "compute_dtype", "remat", "scan_layers"}
+
+
+def test_the_networks_and_losses_keep_their_names_in_the_package():
+    from jaxkit import llama
+    from jaxkit.models import llama_net
+
+    assert llama.LlamaLM is llama_net.LlamaLM and llama.rotary is llama_net.rotary
+    for name in ("TransformerLM", "MLPClassifier", "token_cross_entropy", "cross_entropy"):
+        assert getattr(models, name).__name__ == name
+    for name in ("logits_of", "weighted_loss", "build_model", "check_mesh_divides"):
+        assert callable(getattr(models, name))
+    with pytest.raises(AttributeError):
+        models.NoSuchModel  # noqa: B018
