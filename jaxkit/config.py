@@ -29,9 +29,7 @@ from jaxkit.keys import (
     TOKEN_PATH,
     Key,
     Rule,
-    boolean,
     integer,
-    null,
     number,
     one_of,
     rules,
@@ -43,6 +41,8 @@ from jaxkit.keys import show as _show
 from jaxkit.keys import (
     text as text_rule,
 )
+from jaxkit.models import CUSTOM_KIND, KINDS, Contract, kind_of, kind_problem
+from jaxkit.models import is_lm as is_lm  # asked of a config: the contract answers
 
 # A checkout's configs/, or the copy a wheel installs as jaxkit/configs.
 _CHECKOUT_CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -422,156 +422,18 @@ def config_to_json(config: ml_collections.ConfigDict) -> dict:
 # Validation: every value is checked before any work, so a bad one is a message that names
 # its key and constraint, never a traceback (or a silent NaN) after minutes of compiling.
 
-CUSTOM_KIND = "package.module:factory"  # model.kind of a model of your own
-
-
-def is_custom(kind: object) -> bool:
-    """Whether `kind` names a model of your own, "package.module:factory"."""
-    return isinstance(kind, str) and ":" in kind
-
-
-def _check_model_kind(value: object) -> str | None:
-    if is_custom(value) or (isinstance(value, str) and value in MODEL_RULES):
-        return None
-    built_in = ", ".join(kind for kind in MODEL_RULES if not is_custom(kind))
-    return f"must be one of {built_in}, or {CUSTOM_KIND} for a model of your own"
-
-
 MODEL_KIND = _key(
     "model.kind",
     REQUIRED,
-    Rule(f"transformer, llama, mlp, or {CUSTOM_KIND}", _check_model_kind),
-    "`transformer`, `llama`, `mlp`, or `package.module:factory` for your own model",
+    Rule(f"{', '.join(KINDS)}, or {CUSTOM_KIND}", kind_problem),
+    f"{', '.join(f'`{name}`' for name in KINDS)}, or `{CUSTOM_KIND}` for your own model",
 )
 # Every key of base_config(), and model.kind, with its constraint.
 BASE_RULES: dict[str, Rule] = rules((*BASE_KEYS, MODEL_KIND))
-LM_KINDS = ("transformer", "llama")  # token rows in, logits per position out
-
-_EVAL_FRACTION = _key(
-    "data.eval_fraction",
-    REQUIRED,
-    number(0, 1, open_low=True, open_high=True),
-    "held-out share: the corpus tail for text, a fixed shuffle otherwise",
-)
-_LM_DATA: tuple[Key, ...] = (
-    _key(
-        "data.source",
-        REQUIRED,
-        one_of("text", "synthetic", "tokens"),
-        "`text` (bytes of a file), `tokens` (token files: `jaxkit data prepare`) or `synthetic`",
-    ),
-    _key("data.seq_len", REQUIRED, POSITIVE, "tokens per row"),
-    _EVAL_FRACTION,
-)
-_SIZES = {
-    "vocab_size": "the vocabulary (≥ 256 for text: bytes)",
-    "d_model": "the residual stream's width",
-    "num_layers": "blocks",
-    "num_heads": "attention heads (d_model / num_heads dimensions each)",
-    "mlp_dim": "the MLP's hidden width",
-}
-
-
-def _sizes(*names: str) -> tuple[Key, ...]:
-    return tuple(_key(f"model.{name}", REQUIRED, POSITIVE, _SIZES[name]) for name in names)
-
-
-# Precision, rematerialisation and scanned layers (layers.py): optional, with defaults (and
-# those defaults are what runs saved before them ran as).
-_DTYPE = one_of("float32", "bfloat16")
-LM_OPTION_KEYS: tuple[Key, ...] = (
-    _key("model.param_dtype", "float32", _DTYPE, "the stored params", added="float32"),
-    _key("model.compute_dtype", "float32", _DTYPE, "the matmuls", added="float32"),
-    # Recomputes activations; the params and their updates are the same.
-    _key(
-        "model.remat",
-        "none",
-        one_of("none", "full", "dots"),
-        "activation recompute per block: `none`, `dots` (matmul outputs kept) or `full`",
-        added="none",
-        **_RESUMABLE,
-    ),
-    _key(
-        "model.scan_layers",
-        False,
-        boolean(),
-        "stack the blocks on a layer axis and scan them (a checkpoint does not load across a "
-        "change)",
-        added=False,
-    ),
-    # Token files (token_files.py): read where data.source=tokens, checked wherever present.
-    _key(
-        "data.rows",
-        "windows",
-        one_of("windows", "documents"),
-        "`tokens`: `windows` (packed across documents) or `documents` (one per row, padded "
-        "at weight 0)",
-        added="windows",
-    ),
-    _key(
-        "data.document_mask",
-        False,
-        boolean(),
-        "`tokens` windows: attention stays inside each document, positions restart",
-        added=False,
-    ),
-    _key(
-        "data.token_dtype",
-        "uint16",
-        one_of("uint16", "uint32"),
-        "`tokens` without `meta.json`: `uint16` (nanoGPT's) or `uint32`",
-        added="uint16",
-    ),
-)
-
-# Each model kind's keys: the model's sizes and the data it reads (REQUIRED), and the keys it
-# may leave out (their default applies), checked where present.
-KIND_KEYS: dict[str, tuple[Key, ...]] = {
-    "transformer": (
-        *_sizes("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim"),
-        *_LM_DATA,
-        *LM_OPTION_KEYS,
-    ),
-    "llama": (
-        *_sizes("vocab_size", "d_model", "num_layers", "num_heads"),
-        _key(
-            "model.num_kv_heads",
-            REQUIRED,
-            POSITIVE,
-            "key/value heads for grouped-query attention (divide num_heads; = num_heads for "
-            "plain attention)",
-        ),
-        *_sizes("mlp_dim"),
-        _key("model.tie_embeddings", REQUIRED, boolean(), "the embedding table is the head"),
-        _key(
-            "model.rope_theta",
-            REQUIRED,
-            number(0, open_low=True, open_high=False),
-            "the rotary base period",
-        ),
-        *_LM_DATA,
-        *LM_OPTION_KEYS,
-    ),
-    "mlp": (
-        _key("model.hidden_size", REQUIRED, POSITIVE, "hidden units per layer"),
-        _key("model.num_layers", REQUIRED, POSITIVE, "hidden layers"),
-        _key("model.num_classes", REQUIRED, POSITIVE, "output classes (≥ 10 for digits)"),
-        _key(
-            "data.source",
-            REQUIRED,
-            one_of("digits", "synthetic"),
-            "`digits` (scikit-learn's 8×8 digits) or `synthetic`",
-        ),
-        _key("data.num_features", REQUIRED, POSITIVE, "input features (64 for 8×8 digits)"),
-        _EVAL_FRACTION,
-        _key(
-            "data.seq_len",
-            None,
-            null("the mlp reads rows, not sequences"),
-            "null: the MLP reads rows, not sequences",
-        ),
-    ),
-}
+# Each model kind's keys, as its contract declares them (jaxkit/models/): the model's sizes
+# and the data it reads (REQUIRED), and the keys it may leave out (their default applies),
+# checked where present.
+KIND_KEYS: dict[str, tuple[Key, ...]] = {name: kind.keys({}) for name, kind in KINDS.items()}
 # Keys only one data source reads: required with that source, checked wherever present.
 SOURCE_KEYS: dict[str, tuple[Key, ...]] = {
     "text": (
@@ -603,26 +465,6 @@ OPTIONAL_RULES: dict[str, dict[str, Rule]] = {
 SOURCE_RULES: dict[str, dict[str, Rule]] = {
     source: rules(keys) for source, keys in SOURCE_KEYS.items()
 }
-BYTES = 256  # the text source's token ids are bytes
-DIGITS_FEATURES, DIGITS_CLASSES = 64, 10  # scikit-learn's 8×8 digits, labels 0..9
-
-# A model of your own (jaxkit/custom_model.py) takes the data its config names, and every
-# other size is its own: a language model over the transformer's data (the vocabulary and
-# the rows are the data's), or a classifier over the MLP's (rows of features; the classes
-# are the data's: digits' 10, or the model.num_classes that synthetic rows are labelled in).
-MODEL_RULES[CUSTOM_KIND] = {
-    key: rule
-    for key, rule in MODEL_RULES["transformer"].items()
-    if key.startswith("data.") or key == "model.vocab_size"
-}
-OPTIONAL_RULES[CUSTOM_KIND] = {}
-CUSTOM_CLASSIFIER = f"{CUSTOM_KIND} (classifier)"  # the key of its rules, not a kind
-MODEL_RULES[CUSTOM_CLASSIFIER] = {
-    key: rule for key, rule in MODEL_RULES["mlp"].items() if key.startswith("data.")
-}
-OPTIONAL_RULES[CUSTOM_CLASSIFIER] = {
-    "data.seq_len": null("a classifier reads rows of features, not sequences")
-}
 
 
 def all_keys() -> list[Key]:
@@ -650,24 +492,6 @@ def resumable(name: str) -> bool:
     return name in RESUMABLE_KEYS or name.split(".", 1)[0] in RESUMABLE_SECTIONS
 
 
-def _rules_key(kind: str, source: object, seq_len: object) -> str:
-    """The rules of `kind`; a model of your own's follow its data: rows of features (digits,
-    or synthetic without data.seq_len) make it a classifier, token rows a language model."""
-    if not is_custom(kind):
-        return kind
-    features = source == "digits" or (source == "synthetic" and seq_len is None)
-    return CUSTOM_CLASSIFIER if features else CUSTOM_KIND
-
-
-def is_lm(config: ml_collections.ConfigDict) -> bool:
-    """Whether `config` trains a language model ((B, L) tokens in, (B, L, V) logits out):
-    the kinds whose rules require data.seq_len, a model of your own on token rows among
-    them."""
-    d = config.data
-    key = _rules_key(str(config.model.kind), d.get("source"), d.get("seq_len"))
-    return "data.seq_len" in MODEL_RULES.get(key, {})
-
-
 def _check(flat: dict[str, object], rules: dict[str, Rule], needed_by: str | None) -> None:
     """Each present key against its rule; a missing one is an error where `needed_by` says
     what needs it (None: keys read only elsewhere, checked where present)."""
@@ -691,17 +515,18 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"{old} was replaced by {RENAMED[old]}")
     _check(flat, BASE_RULES, "every job")
     kind, source = str(flat["model.kind"]), flat.get("data.source")
-    model_rules = _rules_key(kind, source, flat.get("data.seq_len"))
-    _check(flat, MODEL_RULES[model_rules], f"model.kind={kind!r}")
-    _check(flat, OPTIONAL_RULES[model_rules], None)
+    model = kind_of(kind)
+    keys = model.keys(flat)
+    _check(flat, rules(k for k in keys if k.default is REQUIRED), f"model.kind={kind!r}")
+    _check(flat, rules(k for k in keys if k.default is not REQUIRED), None)
     own = SOURCE_RULES.get(str(source), {})
     _check(flat, own, f"data.source={source!r}")
     for others in SOURCE_RULES.values():  # other sources' keys, where this one reads none
         _check(flat, {k: r for k, r in others.items() if k not in own}, None)
-    _check_relations(flat, kind)
+    _check_relations(flat, kind, model)
 
 
-def _check_relations(flat: dict[str, Any], kind: str) -> None:
+def _check_relations(flat: dict[str, Any], kind: str, model: Contract) -> None:
     """Constraints between keys, once each key holds a value of the right kind."""
     if flat["optimizer.lr_scaling"] != "none" and flat["optimizer.reference_batch_size"] is None:
         raise ConfigError(
@@ -720,70 +545,13 @@ def _check_relations(flat: dict[str, Any], kind: str) -> None:
         )
     if flat["train.profile_steps"]:
         parse_profile_steps(flat["train.profile_steps"], flat["train.steps"])
-    if flat.get("data.document_mask") and kind not in LM_KINDS:
+    if flat.get("data.document_mask") and not model.READS_LM_OPTIONS:
+        segments = ", ".join(name for name, k in KINDS.items() if k.READS_LM_OPTIONS)
         raise ConfigError(
             f"data.document_mask=true: model.kind={kind!r} takes no segment ids; the built-in "
-            f"language models ({', '.join(LM_KINDS)}) do"
+            f"language models ({segments}) do"
         )
-    if kind in LM_KINDS:
-        _check_transformer(flat)
-    elif kind == "mlp":
-        _check_mlp(flat)
-    elif _rules_key(kind, flat["data.source"], flat.get("data.seq_len")) == CUSTOM_CLASSIFIER:
-        _check_digits_features(flat)
-        if flat["data.source"] == "synthetic":  # its rows are labelled in that many classes
-            _check(flat, {"model.num_classes": POSITIVE}, "data.source='synthetic'")
-
-
-def _check_transformer(flat: dict[str, Any]) -> None:
-    d_model, heads = flat["model.d_model"], flat["model.num_heads"]
-    if d_model % heads:
-        raise ConfigError(
-            f"model.d_model={d_model} is not divisible by model.num_heads={heads}: each head "
-            "takes d_model / num_heads dimensions"
-        )
-    kv_heads = flat.get("model.num_kv_heads")
-    if kv_heads is not None and heads % kv_heads:
-        raise ConfigError(
-            f"model.num_heads={heads} is not divisible by model.num_kv_heads={kv_heads}: each "
-            "key/value head serves an equal group of query heads"
-        )
-    if kv_heads is not None and (d_model // heads) % 2:
-        raise ConfigError(
-            f"model.d_model / model.num_heads = {d_model // heads} is odd: rotary positions "
-            "rotate pairs of a head's dimensions"
-        )
-    if flat["data.source"] != "tokens":
-        for key, off in (("data.document_mask", False), ("data.rows", "windows")):
-            if flat.get(key, off) != off:
-                raise ConfigError(
-                    f"{key}={_show(flat[key])} reads document ends from token files that "
-                    "`jaxkit data prepare` wrote: set data.source=tokens"
-                )
-    if flat["data.source"] == "text" and flat["model.vocab_size"] < BYTES:
-        raise ConfigError(
-            f"model.vocab_size={flat['model.vocab_size']}: data.source='text' feeds bytes, "
-            f"so it must be at least {BYTES}"
-        )
-
-
-def _check_digits_features(flat: dict[str, Any]) -> None:
-    if flat["data.source"] == "digits" and flat["data.num_features"] != DIGITS_FEATURES:
-        raise ConfigError(
-            f"data.num_features={flat['data.num_features']}: data.source='digits' gives "
-            f"{DIGITS_FEATURES} features (8×8 pixels)"
-        )
-
-
-def _check_mlp(flat: dict[str, Any]) -> None:
-    _check_digits_features(flat)
-    if flat["data.source"] != "digits":
-        return
-    if flat["model.num_classes"] < DIGITS_CLASSES:
-        raise ConfigError(
-            f"model.num_classes={flat['model.num_classes']}: data.source='digits' has labels "
-            f"0..{DIGITS_CLASSES - 1}, so it must be at least {DIGITS_CLASSES}"
-        )
+    model.check_values(flat)
 
 
 def parse_profile_steps(text: str, steps: int | None) -> tuple[int, int] | None:

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit.config import BYTES, CUSTOM_KIND, DIGITS_CLASSES, ConfigError, is_lm
+from jaxkit.keys import ConfigError
+from jaxkit.models.common import BYTES, CUSTOM_KIND, DIGITS_CLASSES, rows_of_features
 
 _WARNED: set[str] = set()  # warnings given in this process
 
@@ -109,10 +110,15 @@ def data_classes(config: ml_collections.ConfigDict) -> int:
     return DIGITS_CLASSES if config.data.source == "digits" else int(config.model.num_classes)
 
 
+def _is_lm(config: ml_collections.ConfigDict) -> bool:
+    """Token rows make it a language model, rows of features a classifier."""
+    return not rows_of_features(config.data.get("source"), config.data.get("seq_len"))
+
+
 def _contract(config: ml_collections.ConfigDict) -> tuple[jax.ShapeDtypeStruct, tuple, str, str]:
     """(one row of inputs, the logits' shape for it, what each means) for the config's data."""
     d = config.data
-    if is_lm(config):
+    if _is_lm(config):
         vocab = config.model.vocab_size
         return (
             jax.ShapeDtypeStruct((1, d.seq_len), jnp.int32),
@@ -138,7 +144,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     """Imports the factory, builds the model from shapes alone and checks its logits; warns
     once of the params it leaves replicated."""
     kind, d = config.model.kind, config.data
-    if is_lm(config) and d.source == "text" and config.model.vocab_size < BYTES:
+    if _is_lm(config) and d.source == "text" and config.model.vocab_size < BYTES:
         raise ConfigError(
             f"model.vocab_size={config.model.vocab_size}: data.source='text' feeds bytes, so "
             f"it must be at least {BYTES}"

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit.config import LM_OPTION_KEYS
 from jaxkit.mesh import RULES
+from jaxkit.models.lm import LM_OPTION_KEYS
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # What a rematerialised block keeps for the backward pass; the rest is recomputed.
@@ -31,7 +31,7 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept, the rest recomputed
 }
 # The model keys every LM kind reads, with their defaults (configs written before them lack
-# them), as config.LM_OPTION_KEYS declares them.
+# them), as jaxkit/models/lm.py declares them.
 LM_DEFAULTS: dict[str, Any] = {
     key.leaf: key.default for key in LM_OPTION_KEYS if key.section == "model"
 }

@@ -1,7 +1,9 @@
 """jaxkit.models: every model kind provides the whole contract, and it describes the network
 the kind builds."""
 
+import ast
 import inspect
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +11,8 @@ import pytest
 from flax import nnx
 
 from jaxkit import models
-from jaxkit.config import apply_overrides, load_config
-from jaxkit.keys import ConfigError
+from jaxkit.config import apply_overrides, flatten, load_config
+from jaxkit.keys import REQUIRED, ConfigError
 from jaxkit.models import Contract
 
 
@@ -93,6 +95,15 @@ def test_the_contract_describes_the_network_it_builds(kind):
     config = _config(kind)
     contract = models.contract(config)
     assert contract is _contract_of(kind)
+    # Its keys: the config gives each required one, every present one keeps its rule, and
+    # the checks between them pass (a bad value is refused: test_validate.py).
+    flat = flatten(config)
+    for key in contract.keys(flat):
+        if key.default is REQUIRED:
+            assert key.name in flat, key.name
+        if key.name in flat:
+            assert key.rule(flat[key.name]) is None, key.name
+    contract.check_values(flat)
     contract.check_model(config)
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: contract.build(config, nnx.Rngs(0)))
@@ -133,3 +144,63 @@ def test_the_networks_and_losses_keep_their_names_in_the_package():
         assert callable(getattr(models, name))
     with pytest.raises(AttributeError):
         models.NoSuchModel  # noqa: B018
+
+
+PACKAGE = pathlib.Path(models.__file__).parent.parent
+# Names that stood for "is it this kind" before each kind was one contract.
+KIND_TESTS = {"LM_KINDS", "is_custom", "CUSTOM_CLASSIFIER", "_rules_key"}
+
+
+def _is_model_kind(node):
+    """`config.model.kind` or `m.kind` of a model section, or the key "model.kind"."""
+    if isinstance(node, ast.Constant):
+        return node.value == "model.kind"
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "kind"
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "m")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "model")
+        )
+    )
+
+
+def kind_chains(source, names):
+    """(line, what) of each place in `source` that tests a model kind by its name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name | ast.Attribute):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name in KIND_TESTS:
+                found.append((node.lineno, name))
+        if isinstance(node, ast.Compare):
+            inside = list(ast.walk(node))
+            kinds = [n.value for n in inside if isinstance(n, ast.Constant) and n.value in names]
+            if kinds or any(_is_model_kind(n) for n in inside):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_chain_reader_finds_each_form_of_a_kind_test():
+    names = set(models.KINDS)
+    source = (
+        'if m.kind == "llama": pass\n'
+        "if config.model.kind in LM_KINDS: pass\n"
+        'x = kind != "mlp"\n'
+        "if is_custom(kind): pass\n"
+        'if flat["model.kind"] == k: pass\n'
+        'if schedule.kind == "auto" or op == "dot": pass\n'  # other kinds of kind
+    )
+    assert sorted(line for line, _ in kind_chains(source, names)) == [1, 2, 2, 3, 4, 5]
+
+
+def test_no_kind_chains_outside_the_models_package():
+    """Code outside jaxkit/models/ asks a kind's contract, never its name."""
+    names = set(models.KINDS)
+    found = [
+        f"{path.relative_to(PACKAGE)}:{line}: {what}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "models" not in path.relative_to(PACKAGE).parts[:2]
+        for line, what in kind_chains(path.read_text(), names)
+    ]
+    assert not found, "tests of a model kind's name outside jaxkit/models/:\n" + "\n".join(found)

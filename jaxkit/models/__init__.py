@@ -1,8 +1,9 @@
 """Each model kind is one contract, and code elsewhere asks the contract, never the kind's
 name. A kind's module (transformer.py, llama.py, mlp.py, custom.py for a model of your
-own) says how to build it, which of its sizes the partition rules (mesh.RULES) shard, what
-else a mesh must divide, its analytic FLOPs, which params are matmuls, whether it is a
-language model and whether it reads the LM options, and the facts a run records of it.
+own) declares its config keys and the checks between them, says how to build it, which of
+its sizes the partition rules (mesh.RULES) shard, what else a mesh must divide, its
+analytic FLOPs, which params are matmuls, whether it is a language model and whether it
+reads the LM options, and the facts a run records of it.
 
 The contracts load no JAX: the config reads them before JAX starts. The networks
 (`*_net.py`) and the loss (loss.py) load with flax, on first use of their names here.
@@ -11,13 +12,14 @@ The contracts load no JAX: the config reads them before JAX starts. The networks
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ml_collections
 
-from jaxkit.config import CUSTOM_KIND, ConfigError, is_custom
+from jaxkit.keys import ConfigError, Key
 from jaxkit.models import custom, llama, mlp, transformer
-from jaxkit.models.common import Params, Sizes
+from jaxkit.models.common import CUSTOM_KIND, Params, Sizes, is_custom
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -33,6 +35,15 @@ class Contract(Protocol):
     # The LM options apply: model.param_dtype, compute_dtype, remat, scan_layers, and the
     # token files' data.rows, document_mask (segment ids) and token_dtype.
     READS_LM_OPTIONS: bool
+
+    def keys(self, flat: Mapping[str, object]) -> tuple[Key, ...]:
+        """Its config keys: required (default REQUIRED) and optional, checked where present;
+        `flat` (the config's dotted keys) matters to a model of your own only."""
+        ...
+
+    def check_values(self, flat: Mapping[str, Any]) -> None:
+        """Constraints between its keys, once each holds a value of the right kind."""
+        ...
 
     def is_lm(self, config: ml_collections.ConfigDict) -> bool:
         """(B, L) tokens in, (B, L, V) logits out; else (B, I) features to (B, C) logits."""
@@ -71,6 +82,13 @@ KINDS: dict[str, Contract] = {"transformer": transformer, "llama": llama, "mlp":
 CUSTOM: Contract = custom
 
 
+def kind_problem(value: object) -> str | None:
+    """What is wrong with `value` as a model.kind (config.MODEL_KIND's rule), or None."""
+    if is_custom(value) or (isinstance(value, str) and value in KINDS):
+        return None
+    return f"must be one of {', '.join(KINDS)}, or {CUSTOM_KIND} for a model of your own"
+
+
 def kind_of(kind: str) -> Contract:
     """The contract of `model.kind=kind`."""
     if is_custom(kind):
@@ -83,6 +101,11 @@ def kind_of(kind: str) -> Contract:
 def contract(config: ml_collections.ConfigDict) -> Contract:
     """The contract of the config's model kind."""
     return kind_of(str(config.model.kind))
+
+
+def is_lm(config: ml_collections.ConfigDict) -> bool:
+    """Whether `config` trains a language model ((B, L) tokens in, (B, L, V) logits out)."""
+    return contract(config).is_lm(config)
 
 
 def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
@@ -143,7 +166,9 @@ __all__ = [
     "contract",
     "cross_entropy",
     "is_custom",
+    "is_lm",
     "kind_of",
+    "kind_problem",
     "logits_of",
     "sharded_sizes",
     "token_cross_entropy",

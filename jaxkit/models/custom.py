@@ -5,9 +5,14 @@ by its data; sharded as its params are annotated.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ml_collections
+
+from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Key, null, show
+from jaxkit.models import lm, mlp
+from jaxkit.models.common import rows_of_features
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -16,13 +21,49 @@ if TYPE_CHECKING:
 
 READS_LM_OPTIONS = False  # its precision, remat and layers are its own
 
+# It takes the data its config names, and every other size is its own: a language model over
+# the transformer's data (the vocabulary and the rows are the data's), or a classifier over
+# the MLP's (rows of features; the classes are the data's: digits' 10, or the
+# model.num_classes that synthetic rows are labelled in).
+LM_KEYS: tuple[Key, ...] = (*lm.sizes("vocab_size"), *lm.DATA_KEYS)
+CLASSIFIER_KEYS: tuple[Key, ...] = (
+    *(key for key in mlp.KEYS if key.section == "data" and key.default is REQUIRED),
+    Key(
+        "data.seq_len",
+        None,
+        null("a classifier reads rows of features, not sequences"),
+        "null: a classifier reads rows of features, not sequences",
+    ),
+)
+
 
 def is_lm(config: ml_collections.ConfigDict) -> bool:
     """Token rows make it a language model; rows of features (digits, or synthetic without
     data.seq_len) a classifier."""
-    d = config.data
-    source = d.get("source")
-    return not (source == "digits" or (source == "synthetic" and d.get("seq_len") is None))
+    return not rows_of_features(config.data.get("source"), config.data.get("seq_len"))
+
+
+def keys(flat: Mapping[str, object]) -> tuple[Key, ...]:
+    """The keys of its data: a language model's or a classifier's."""
+    features = rows_of_features(flat.get("data.source"), flat.get("data.seq_len"))
+    return CLASSIFIER_KEYS if features else LM_KEYS
+
+
+def check_values(flat: Mapping[str, Any]) -> None:
+    """A classifier's rows are the data's: digits' 64 features, and synthetic rows labelled
+    in model.num_classes, which it must give."""
+    if not rows_of_features(flat["data.source"], flat.get("data.seq_len")):
+        return
+    mlp.check_digits_features(flat)
+    if flat["data.source"] != "synthetic":
+        return
+    if "model.num_classes" not in flat:
+        raise ConfigError(
+            "the config has no model.num_classes, which data.source='synthetic' needs"
+        )
+    problem = POSITIVE(flat["model.num_classes"])
+    if problem:
+        raise ConfigError(f"model.num_classes={show(flat['model.num_classes'])}: {problem}")
 
 
 def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import ml_collections
 
+from jaxkit.keys import POSITIVE, REQUIRED, Key, boolean, number
 from jaxkit.models.lm import (
+    DATA_KEYS,
+    LM_OPTION_KEYS,
     READS_LM_OPTIONS,
     check_model,
     check_shards,
+    check_values,
     facts,
     flops_per_example,
     is_lm,
     kernel_params,
     sharded_sizes,
+    sizes,
 )
 
 if TYPE_CHECKING:
@@ -27,12 +33,41 @@ __all__ = [
     "build",
     "check_model",
     "check_shards",
+    "check_values",
     "facts",
     "flops_per_example",
     "is_lm",
+    "keys",
     "matmul_params",
     "sharded_sizes",
 ]
+
+# The model's sizes and the data it reads (required), and the options it may leave out.
+KEYS: tuple[Key, ...] = (
+    *sizes("vocab_size", "d_model", "num_layers", "num_heads"),
+    Key(
+        "model.num_kv_heads",
+        REQUIRED,
+        POSITIVE,
+        "key/value heads for grouped-query attention (divide num_heads; = num_heads for "
+        "plain attention)",
+    ),
+    *sizes("mlp_dim"),
+    Key("model.tie_embeddings", REQUIRED, boolean(), "the embedding table is the head"),
+    Key(
+        "model.rope_theta",
+        REQUIRED,
+        number(0, open_low=True, open_high=False),
+        "the rotary base period",
+    ),
+    *DATA_KEYS,
+    *LM_OPTION_KEYS,
+)
+
+
+def keys(flat: Mapping[str, object]) -> tuple[Key, ...]:
+    del flat
+    return KEYS
 
 
 def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:

@@ -1,22 +1,130 @@
-"""What the built-in language models (transformer, llama) share: the sizes the partition
-rules shard, the heads the tensor axis splits, their options (precision, remat, scanned
-layers) as facts, and the model FLOPs of a decoder.
+"""What the built-in language models (transformer, llama) share: the data they read, their
+sizes and options (precision, remat, scanned layers, the token files' rows) as config keys,
+the checks between those keys, the sizes the partition rules shard, the heads the tensor
+axis splits, and the model FLOPs of a decoder.
 
 Light on purpose, as every contract module: the config reads the contracts before JAX starts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
-from jaxkit.keys import ConfigError
+from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Key, boolean, one_of, show
+from jaxkit.models.common import BYTES, EVAL_FRACTION
 
 if TYPE_CHECKING:
     from jaxkit.models.common import Params, Sizes
 
 READS_LM_OPTIONS = True  # model.remat, the dtypes, scan_layers and the token files' row options
+
+DATA_KEYS: tuple[Key, ...] = (
+    Key(
+        "data.source",
+        REQUIRED,
+        one_of("text", "synthetic", "tokens"),
+        "`text` (bytes of a file), `tokens` (token files: `jaxkit data prepare`) or `synthetic`",
+    ),
+    Key("data.seq_len", REQUIRED, POSITIVE, "tokens per row"),
+    EVAL_FRACTION,
+)
+_SIZES = {
+    "vocab_size": "the vocabulary (≥ 256 for text: bytes)",
+    "d_model": "the residual stream's width",
+    "num_layers": "blocks",
+    "num_heads": "attention heads (d_model / num_heads dimensions each)",
+    "mlp_dim": "the MLP's hidden width",
+}
+
+
+def sizes(*names: str) -> tuple[Key, ...]:
+    """The size keys `model.NAME` of a language model: required positive integers."""
+    return tuple(Key(f"model.{name}", REQUIRED, POSITIVE, _SIZES[name]) for name in names)
+
+
+# Precision, rematerialisation and scanned layers (layers.py): optional, with defaults (and
+# those defaults are what runs saved before them ran as).
+_DTYPE = one_of("float32", "bfloat16")
+LM_OPTION_KEYS: tuple[Key, ...] = (
+    Key("model.param_dtype", "float32", _DTYPE, "the stored params", added="float32"),
+    Key("model.compute_dtype", "float32", _DTYPE, "the matmuls", added="float32"),
+    # Recomputes activations; the params and their updates are the same.
+    Key(
+        "model.remat",
+        "none",
+        one_of("none", "full", "dots"),
+        "activation recompute per block: `none`, `dots` (matmul outputs kept) or `full`",
+        added="none",
+        resumable=True,
+    ),
+    Key(
+        "model.scan_layers",
+        False,
+        boolean(),
+        "stack the blocks on a layer axis and scan them (a checkpoint does not load across a "
+        "change)",
+        added=False,
+    ),
+    # Token files (token_files.py): read where data.source=tokens, checked wherever present.
+    Key(
+        "data.rows",
+        "windows",
+        one_of("windows", "documents"),
+        "`tokens`: `windows` (packed across documents) or `documents` (one per row, padded "
+        "at weight 0)",
+        added="windows",
+    ),
+    Key(
+        "data.document_mask",
+        False,
+        boolean(),
+        "`tokens` windows: attention stays inside each document, positions restart",
+        added=False,
+    ),
+    Key(
+        "data.token_dtype",
+        "uint16",
+        one_of("uint16", "uint32"),
+        "`tokens` without `meta.json`: `uint16` (nanoGPT's) or `uint32`",
+        added="uint16",
+    ),
+)
+
+
+def check_values(flat: Mapping[str, Any]) -> None:
+    """Constraints between a language model's keys, once each holds a value of its kind."""
+    d_model, heads = flat["model.d_model"], flat["model.num_heads"]
+    if d_model % heads:
+        raise ConfigError(
+            f"model.d_model={d_model} is not divisible by model.num_heads={heads}: each head "
+            "takes d_model / num_heads dimensions"
+        )
+    kv_heads = flat.get("model.num_kv_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise ConfigError(
+            f"model.num_heads={heads} is not divisible by model.num_kv_heads={kv_heads}: each "
+            "key/value head serves an equal group of query heads"
+        )
+    if kv_heads is not None and (d_model // heads) % 2:
+        raise ConfigError(
+            f"model.d_model / model.num_heads = {d_model // heads} is odd: rotary positions "
+            "rotate pairs of a head's dimensions"
+        )
+    if flat["data.source"] != "tokens":
+        for key, off in (("data.document_mask", False), ("data.rows", "windows")):
+            if flat.get(key, off) != off:
+                raise ConfigError(
+                    f"{key}={show(flat[key])} reads document ends from token files that "
+                    "`jaxkit data prepare` wrote: set data.source=tokens"
+                )
+    if flat["data.source"] == "text" and flat["model.vocab_size"] < BYTES:
+        raise ConfigError(
+            f"model.vocab_size={flat['model.vocab_size']}: data.source='text' feeds bytes, "
+            f"so it must be at least {BYTES}"
+        )
 
 
 def is_lm(config: ml_collections.ConfigDict) -> bool:
@@ -71,7 +179,10 @@ def flops_per_example(config: ml_collections.ConfigDict, matmul_params: int) -> 
 
 
 def facts(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Its precision, remat and layer layout, as a run's records give them."""
-    from jaxkit.layers import LM_DEFAULTS, lm_option
-
-    return {key: lm_option(config.model, key) for key in LM_DEFAULTS}
+    """Its precision, remat and layer layout, as a run's records give them (a config saved
+    before a key ran at its default)."""
+    return {
+        key.leaf: config.model.get(key.leaf, key.default)
+        for key in LM_OPTION_KEYS
+        if key.section == "model"
+    }

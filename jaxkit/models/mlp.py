@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ml_collections
+
+from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Key, null, one_of
+from jaxkit.models.common import DIGITS_CLASSES, DIGITS_FEATURES, EVAL_FRACTION
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -12,6 +16,52 @@ if TYPE_CHECKING:
     from jaxkit.models.common import Params, Sizes
 
 READS_LM_OPTIONS = False
+
+# The model's sizes and the data it reads (required), and the keys it may leave out.
+KEYS: tuple[Key, ...] = (
+    Key("model.hidden_size", REQUIRED, POSITIVE, "hidden units per layer"),
+    Key("model.num_layers", REQUIRED, POSITIVE, "hidden layers"),
+    Key("model.num_classes", REQUIRED, POSITIVE, "output classes (≥ 10 for digits)"),
+    Key(
+        "data.source",
+        REQUIRED,
+        one_of("digits", "synthetic"),
+        "`digits` (scikit-learn's 8×8 digits) or `synthetic`",
+    ),
+    Key("data.num_features", REQUIRED, POSITIVE, "input features (64 for 8×8 digits)"),
+    EVAL_FRACTION,
+    Key(
+        "data.seq_len",
+        None,
+        null("the mlp reads rows, not sequences"),
+        "null: the MLP reads rows, not sequences",
+    ),
+)
+
+
+def keys(flat: Mapping[str, object]) -> tuple[Key, ...]:
+    del flat
+    return KEYS
+
+
+def check_digits_features(flat: Mapping[str, Any]) -> None:
+    if flat["data.source"] == "digits" and flat["data.num_features"] != DIGITS_FEATURES:
+        raise ConfigError(
+            f"data.num_features={flat['data.num_features']}: data.source='digits' gives "
+            f"{DIGITS_FEATURES} features (8×8 pixels)"
+        )
+
+
+def check_values(flat: Mapping[str, Any]) -> None:
+    """Constraints between its keys, once each holds a value of its kind."""
+    check_digits_features(flat)
+    if flat["data.source"] != "digits":
+        return
+    if flat["model.num_classes"] < DIGITS_CLASSES:
+        raise ConfigError(
+            f"model.num_classes={flat['model.num_classes']}: data.source='digits' has labels "
+            f"0..{DIGITS_CLASSES - 1}, so it must be at least {DIGITS_CLASSES}"
+        )
 
 
 def is_lm(config: ml_collections.ConfigDict) -> bool:

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import ml_collections
 
+from jaxkit.keys import Key
 from jaxkit.models.lm import (
+    DATA_KEYS,
+    LM_OPTION_KEYS,
     READS_LM_OPTIONS,
     check_model,
     check_shards,
+    check_values,
     facts,
     flops_per_example,
     is_lm,
     kernel_params,
     sharded_sizes,
+    sizes,
 )
 
 if TYPE_CHECKING:
@@ -27,12 +33,26 @@ __all__ = [
     "build",
     "check_model",
     "check_shards",
+    "check_values",
     "facts",
     "flops_per_example",
     "is_lm",
+    "keys",
     "matmul_params",
     "sharded_sizes",
 ]
+
+# The model's sizes and the data it reads (required), and the options it may leave out.
+KEYS: tuple[Key, ...] = (
+    *sizes("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim"),
+    *DATA_KEYS,
+    *LM_OPTION_KEYS,
+)
+
+
+def keys(flat: Mapping[str, object]) -> tuple[Key, ...]:
+    del flat
+    return KEYS
 
 
 def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
