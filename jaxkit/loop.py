@@ -113,11 +113,12 @@ def train(
     tracker = StepTracker(config, parts.plan, parts.setup, cost, _peak(config, parts.mesh))
     start = starting_point(config, parts.shape, parts.setup, parts.plan, restored, tracker, echo)
     saved_events = restored.meta["loop"].get("events", []) if restored else []
-    if start.position.step >= start.schedule.total_steps and workdir is not None:
+    finished = start.position.step >= start.schedule.total_steps
+    if finished and workdir is not None and restored is not None:  # a run done before
         if checkpointer:
             checkpointer.close()
         summary = finished_summary(
-            config, start, workdir, saved_events, tracker, parts.eval_source, echo
+            config, start, workdir, restored.meta, tracker, parts.eval_source, echo
         )
         return RunResult(plan=start.plan, state=start.state, records=[], summary=summary)
     # What changed at this resume: logged once, and kept in the checkpoints saved at this

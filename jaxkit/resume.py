@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -209,7 +209,7 @@ def finished_summary(
     config: ml_collections.ConfigDict,
     start: Start,
     workdir: str | os.PathLike,
-    saved_events: Sequence[dict],
+    meta: dict,
     tracker: StepTracker,
     eval_source: data_lib.Source,
     echo: Callable[[str], None],
@@ -217,7 +217,9 @@ def finished_summary(
     """The summary of a finished run, for a rerun on its workdir: nothing to train. A run
     that finished without its summary (killed between the last checkpoint and the summary,
     or extended by --allow-longer and abandoned) gets one from its log, up to its
-    checkpoint."""
+    checkpoint (`meta`, as saved), on the plan it ended on: a rerun on other devices
+    describes the run, not itself."""
+    saved_events = meta["loop"].get("events", [])
     schedule, position = start.schedule, start.position
     echo(f"{workdir} holds a finished run of {position.step} steps; nothing to do")
     plan = schedule.plan_at(position.examples)
@@ -231,17 +233,20 @@ def finished_summary(
         summary = json.loads(summary_file.read_text())
     else:
         records = [r for r in records if "event" not in r]
-        fixed = not schedule.changes_batch
+        ended = _ended_plan(plan, meta["plan"])
         summary = summarize(
             config,
-            plan,
+            ended,
             records,
             tracker,
             eval_source,
             0.0,
             position.step,
-            None if fixed else schedule.to_json(),
+            _trained_schedule(schedule, position.step),
         )
+        if ended.mesh_shape != plan.mesh_shape:
+            # This process's peak and compiled memory are another device count's.
+            summary |= {"peak_flops_per_s": None, "peak_source": None, "memory_bytes": None}
         summary["rebuilt_from"] = "metrics.jsonl"  # no timings: they were never logged whole
         # Unknown, not 0: the run's first step and wall time were never logged, and what
         # this process compiled to rebuild the summary is not the run's compile.
@@ -253,3 +258,25 @@ def finished_summary(
             write_text_atomic(summary_file, json.dumps(summary, indent=2) + "\n")
             echo(f"wrote the missing {summary_file} from metrics.jsonl")
     return summary
+
+
+def _ended_plan(plan: BatchPlan, saved: dict) -> BatchPlan:
+    """The plan a finished run ended on, as its checkpoint recorded it (`saved`, a
+    BatchPlan's JSON), where `plan` is this rerun's for the same position."""
+    fields = ("data_parallel_size", "per_device_batch_size", "grad_accum_steps")
+    return dataclasses.replace(
+        plan,
+        mesh_shape=dict(saved.get("mesh_shape", plan.mesh_shape)),
+        **{name: saved.get(name, getattr(plan, name)) for name in fields},
+    )
+
+
+def _trained_schedule(schedule: BatchSchedule, steps: int) -> dict | None:
+    """The batch schedule's JSON over the steps a finished run trained: a schedule laid
+    again at its end holds a stage of no steps there (this rerun's split), which is not the
+    run's; a fixed batch that never changed has none (as the summary of a run on one plan)."""
+    laid = schedule.to_json()
+    stages = [s for s in laid["stages"] if s["steps"] > 0 or s["first_step"] < steps]
+    if schedule.kind == "fixed" and len(stages) <= 1:
+        return None
+    return laid | {"stages": stages}

@@ -418,6 +418,25 @@ def test_a_batch_change_continues_the_data_stream_without_skipping_or_repeating(
     assert records[-1]["examples_seen"] == 20 * 32 + 10 * 64
 
 
+def test_a_summary_rebuilt_on_other_devices_describes_the_run_not_the_rerun(tmp_path):
+    # Begun on 4 devices (K=2), finished on 2 (K=4), its summary lost, rerun on 4: the
+    # rebuilt summary is the one the run wrote, but for what this process measured.
+    config = digits("train.steps=4", "train.eval_every=0")  # global 32, per-device 4
+    run(config, tmp_path, devices=4, stop_after_micro_steps=4)  # 2 steps at K=2
+    run(config, tmp_path, devices=2)  # 2 more at K=4: the run ends on 2 devices
+    written = json.loads((tmp_path / "summary.json").read_text())
+    (tmp_path / "summary.json").unlink()
+    run(config, tmp_path, devices=4)
+    rebuilt = json.loads((tmp_path / "summary.json").read_text())
+    assert written["grad_accum_steps"] == rebuilt["grad_accum_steps"] == 4
+    assert rebuilt["batch_schedule"] == written["batch_schedule"]  # no stage of 0 steps
+    assert [s["steps"] for s in rebuilt["batch_schedule"]["stages"]] == [2, 2]
+    # The rerun's peak and compiled memory are 4 devices', not the run's: unknown.
+    assert rebuilt["peak_flops_per_s"] is None and rebuilt["memory_bytes"] is None
+    for key in ("final_loss", "steps", "global_batch_size", "examples_seen"):
+        assert rebuilt[key] == written[key], key
+
+
 def test_stopping_on_the_last_micro_step_still_finishes_the_run(tmp_path):
     config = digits("batch.per_device_batch_size=1")  # K=4, 6 steps: 24 micro-steps
     result = run(config, tmp_path, stop_after_micro_steps=24)
