@@ -76,15 +76,21 @@ class Encoder:
     spec: str  # "bytes" or a tokenizer.json path
     vocab_size: int
     eod_id: int
+    bos_id: int | None = None  # --bos: put before each document (its prompt included)
     _hf: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def load(cls, spec: str, eod_token: str | None = None) -> Encoder:
+    def load(cls, spec: str, eod_token: str | None = None, bos: bool = False) -> Encoder:
         if spec == "bytes":
             if eod_token is not None:
                 raise PrepareError(
                     "--eod-token applies to a tokenizer.json; the bytes tokenizer's "
                     f"end-of-document id is {token_format.BYTES_EOD_ID}"
+                )
+            if bos:
+                raise PrepareError(
+                    "--bos applies to a tokenizer.json: the bytes tokenizer has no "
+                    "beginning-of-sequence token"
                 )
             return cls(spec, token_format.BYTES_VOCAB_SIZE, token_format.BYTES_EOD_ID)
         hf = _load_tokenizer_json(spec)
@@ -98,7 +104,8 @@ class Encoder:
                 f"--tokenizer {spec} has none of {', '.join(EOD_CANDIDATES)} in its vocabulary: "
                 "name its end-of-document token with --eod-token"
             )
-        return cls(spec, hf.get_vocab_size(), found[0], hf)
+        bos_id = _bos_id(hf, spec) if bos else None
+        return cls(spec, hf.get_vocab_size(), found[0], bos_id, hf)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_hf": None}
@@ -116,13 +123,16 @@ class Encoder:
         ]
         ids = iter(self._encode_pieces(pieces))
         eod = np.array([self.eod_id], np.int64)
+        # The beginning-of-sequence token belongs to a prompt (mask 0) where there is one; a
+        # plain document scores all its tokens, as a file without masks does.
+        bos = np.array([] if self.bos_id is None else [self.bos_id], np.int64)
         parts, lengths, prompt_lengths = [], [], []
         for d in documents:
             prompt = next(ids) if d.prompt is not None else eod[:0]
             text = next(ids)
-            parts += [prompt, text, eod]
-            lengths.append(len(prompt) + len(text) + 1)
-            prompt_lengths.append(len(prompt))
+            parts += [bos, prompt, text, eod]
+            lengths.append(len(bos) + len(prompt) + len(text) + 1)
+            prompt_lengths.append(len(bos) + len(prompt) if d.prompt is not None else 0)
         tokens = np.concatenate(parts)
         if tokens.max() >= self.vocab_size:  # a file of narrower ids would wrap it silently
             raise PrepareError(
@@ -148,6 +158,18 @@ class Encoder:
         # No special tokens: a BOS from the post-processor would start the completion too.
         encodings = self._hf.encode_batch(pieces, add_special_tokens=False)
         return [np.asarray(e.ids, np.int64) for e in encodings]
+
+
+def _bos_id(hf: Any, spec: str) -> int:
+    """The beginning-of-sequence id a tokenizer.json's post-processor puts before a sequence
+    (Llama's `<s>`, Llama 3's `<|begin_of_text|>`), as transformers adds it."""
+    encoding = hf.encode("a", add_special_tokens=True)
+    if not encoding.special_tokens_mask or not encoding.special_tokens_mask[0]:
+        raise PrepareError(
+            f"--bos: --tokenizer {spec} puts no beginning-of-sequence token before a sequence "
+            "(its post-processor adds none): prepare without --bos"
+        )
+    return int(encoding.ids[0])
 
 
 def _load_tokenizer_json(path: str) -> Any:
@@ -587,6 +609,7 @@ def prepare(
     seed: int = 0,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     eod_token: str | None = None,
+    bos: bool = False,
     workers: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -602,6 +625,8 @@ def prepare(
       shard_tokens: the most tokens a shard holds, unless one document alone has more.
       eod_token: the tokenizer.json's end-of-document token (default: the first of
         EOD_CANDIDATES in its vocabulary).
+      bos: put the tokenizer.json's beginning-of-sequence token (the one its post-processor
+        adds) before each document, as Llama checkpoints expect; recorded as meta["bos_id"].
       workers: tokenizing processes (default: one per CPU).
       overwrite: replace a prepared directory at `out`, once the new one is complete.
     """
@@ -611,7 +636,7 @@ def prepare(
         raise PrepareError("--shard-tokens and --workers must be at least 1")
     out = Path(os.path.abspath(out))
     _check_out(out, overwrite)
-    encoder = Encoder.load(tokenizer, eod_token)
+    encoder = Encoder.load(tokenizer, eod_token, bos)
     # The output (and its half-built siblings) is never an input: a DIR inside an input
     # directory, prepared again with --overwrite, would otherwise read its own shards.
     paths = [p for p in expand_inputs(inputs) if not _inside_output(p, out)]
@@ -635,6 +660,9 @@ def prepare(
             "dtype": encoder.dtype,
             "vocab_size": encoder.vocab_size,
             "eod_id": encoder.eod_id,
+            # Only with --bos: data prepared before the key, or without it, has no entry,
+            # so its fingerprint (and the checkpoints that recorded it) stays as it was.
+            **({} if encoder.bos_id is None else {"bos_id": encoder.bos_id}),
             "tokenizer": tokenizer,
             "masked": masked,
             "eval_fraction": eval_fraction,
@@ -778,9 +806,10 @@ def summary(meta: dict[str, Any], out: str | os.PathLike[str]) -> str:
         for split in token_format.SPLITS
     ]
     masked = ", with masks" if meta["masked"] else ""
+    bos = f", beginning of document {meta['bos_id']}" if "bos_id" in meta else ""
     lines.append(
         f"prepared: {os.path.abspath(out)} ({meta['dtype']} tokens, vocabulary "
-        f"{meta['vocab_size']:,}, end of document {meta['eod_id']}{masked})"
+        f"{meta['vocab_size']:,}, end of document {meta['eod_id']}{bos}{masked})"
     )
     return "\n".join(lines)
 

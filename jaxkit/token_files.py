@@ -432,6 +432,7 @@ FINGERPRINT_META = (
     "dtype",
     "vocab_size",
     "eod_id",
+    "bos_id",  # `--bos` only
     "masked",
     "num_tokens",
     "num_documents",

@@ -43,6 +43,7 @@ def token_dtype_for(vocab_size: int) -> str:
 #   format, version            FORMAT and VERSION
 #   dtype                      one of DTYPES
 #   vocab_size, eod_id         the tokenizer's; every id is < vocab_size
+#   bos_id                     (only with --bos) the id put before each document
 #   tokenizer                  "bytes" or the tokenizer.json path it was given
 #   masked                     whether each shard has a .mask file
 #   eval_fraction, seed        how documents were drawn for the held-out split

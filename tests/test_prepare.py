@@ -1,5 +1,6 @@
 """`jaxkit data prepare`: what it writes, read back independently of jaxkit/prepare.py."""
 
+import functools
 import gzip
 import io
 import json
@@ -792,3 +793,59 @@ def test_symlinked_directories_are_read_as_a_glob_reads_them_and_once(tmp_path):
     globbed = expand_inputs([str(tmp_path / "corpus" / "linked" / "*")])
     assert len(walked) == 5 and set(globbed) <= set(walked)
     assert sorted(p.read_text() for p in walked) == sorted(["one", "two", "three", "four", "five"])
+
+
+def test_bos_starts_every_document_before_its_prompt_and_is_recorded(tmp_path, capsys):
+    from tokenizers import processors
+
+    from jaxkit import token_files
+
+    # Llama's tokenizer.json shape: a post-processor that puts <s> before every sequence.
+    path = train_bpe(tmp_path / "plain.json", ["<s>", "</s>"])
+    tokenizer = Tokenizer.from_file(path)
+    bos, eod = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    llama = str(tmp_path / "tokenizer.json")
+    tokenizer.save(llama)
+    lines = [{"text": "the quick brown fox"}, {"prompt": "Q: dog?", "completion": " A: lazy"}] * 2
+    source = tmp_path / "in" / "pairs.jsonl"
+    source.parent.mkdir()
+    source.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    common = ["--eval-fraction", "0.25", "--workers", "1", "--no-progress"]
+    argv = ["data", "prepare", str(source), "--tokenizer", llama, *common]
+    assert cli.main([*argv, "--bos", "--out", str(tmp_path / "with")]) == 0
+    assert f"beginning of document {bos}" in capsys.readouterr().out
+    assert prepare_lib.prepare([str(source)], llama, tmp_path / "without", eval_fraction=0.25)
+    meta = json.loads((tmp_path / "with" / "meta.json").read_text())
+    assert meta["bos_id"] == bos
+    assert "bos_id" not in json.loads((tmp_path / "without" / "meta.json").read_text())
+    docs, masks = read_split(tmp_path / "with", "train")
+    plain, _ = read_split(tmp_path / "without", "train")
+    expected = {}  # each document as the tokenizer encodes it apart: <s>, prompt, text, </s>
+    for x in lines:
+        encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+        prompt = encode(x["prompt"]).ids if "prompt" in x else []
+        text = encode(x.get("completion", x.get("text"))).ids
+        tokens = [bos, *prompt, *text, eod]
+        # <s> weighs 0 with a prompt; a plain document scores every token, masks or not.
+        scored = 0 if "prompt" in x else 1
+        expected[tuple(tokens)] = [scored] * (1 + len(prompt)) + [1] * (len(text) + 1)
+    for tokens, mask in zip(docs, masks, strict=True):
+        assert mask.tolist() == expected[tuple(tokens.tolist())]
+    assert sorted(d[1:].tolist() for d in docs) == sorted(d.tolist() for d in plain)
+    # The fingerprint a checkpoint keeps tells the two apart: a resume is not silently mixed.
+    prints = [
+        token_files.fingerprint(*token_files.open_splits(str(tmp_path / d), "uint16", 0.1))
+        for d in ("with", "without")
+    ]
+    assert prints[0]["bos_id"] == bos and "bos_id" not in prints[1]
+
+
+def test_bos_is_refused_where_the_tokenizer_has_none(tmp_path, bpe, capsys):
+    write_texts(tmp_path / "in", ["one", "two"])
+    out = str(tmp_path / "out")
+    tmp = tmp_path / "in"
+    refused([str(tmp), "--tokenizer", bpe, "--bos", "--out", out], tmp, capsys, "--bos", bpe)
+    refused([str(tmp), "--tokenizer", "bytes", "--bos", "--out", out], tmp, capsys, "--bos")

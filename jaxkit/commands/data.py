@@ -41,6 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         f"{', '.join(prepare.EOD_CANDIDATES)} in its vocabulary)",
     )
     data.add_argument(
+        "--bos",
+        action="store_true",
+        help="put the tokenizer.json's beginning-of-sequence token (the one its post-processor "
+        "adds) before each document, as Llama checkpoints expect",
+    )
+    data.add_argument(
         "--eval-fraction",
         type=common.fraction,
         default=prepare.DEFAULT_EVAL_FRACTION,
@@ -83,6 +89,7 @@ def run(opts: argparse.Namespace) -> int:
             seed=opts.seed,
             shard_tokens=opts.shard_tokens,
             eod_token=opts.eod_token,
+            bos=opts.bos,
             workers=opts.workers,
             overwrite=opts.overwrite,
             progress=not opts.no_progress,
