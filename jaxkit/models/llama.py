@@ -36,11 +36,22 @@ __all__ = [
     "check_values",
     "facts",
     "flops_per_example",
+    "head_dim",
     "is_lm",
     "keys",
     "matmul_params",
     "sharded_sizes",
 ]
+
+# flax's RMSNorm epsilon: what every run before model.norm_eps ran with.
+NORM_EPS = 1e-6
+# model.rope_scaling's fields: Llama 3.1's frequency scaling ("rope_type": "llama3" in HF's).
+ROPE_SCALING_FIELDS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 
 # The model's sizes and the data it reads (required), and the options it may leave out.
 KEYS: tuple[Key, ...] = (
@@ -63,6 +74,13 @@ KEYS: tuple[Key, ...] = (
     *DATA_KEYS,
     *LM_OPTION_KEYS,
 )
+
+
+def head_dim(m: ml_collections.ConfigDict) -> int:
+    """Each attention head's width: model.head_dim, or d_model / num_heads where it is null
+    (or the config predates it)."""
+    width = m.get("head_dim")
+    return int(width) if width is not None else int(m.d_model // m.num_heads)
 
 
 def keys(flat: Mapping[str, object]) -> tuple[Key, ...]:
