@@ -190,3 +190,20 @@ def test_measuring_modules_do_not_import_the_loop_or_checkpointing():
         if above in chains
     ]
     assert not wrong, "measuring modules that import what they measure for:\n" + "\n".join(wrong)
+
+
+def test_a_wheel_holds_every_package_under_jaxkit():
+    # setuptools installs the packages pyproject.toml lists, and only those: one left out
+    # works in a checkout (editable install) and is missing from a wheel.
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(root).parts)
+        for init in (root / "jaxkit").rglob("__init__.py")
+    }
+    assert found <= listed, sorted(found - listed)
