@@ -34,6 +34,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.mlp_dim = 2048  # SwiGLU's 8/3 × d_model; divisible by mesh.tensor
     c.model.tie_embeddings = True  # the head is the embedding table, as in GPT-2
     c.model.rope_theta = 10000.0  # rotary base period
+    c.model.norm_eps = 1e-6  # RMSNorm's epsilon (Llama 2 and 3 checkpoints use 1e-5)
+    c.model.head_dim = ml_collections.config_dict.placeholder(int)  # null: d_model / num_heads
+    # null, or Llama 3.1's {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}; on the command line as JSON
+    c.model.rope_scaling = None
     c.model.param_dtype = "float32"  # stored params (the optimizer state is float32 anyway)
     c.model.compute_dtype = "bfloat16"  # matmuls; norms, softmax and the loss stay float32
     c.model.remat = "none"  # none | dots | full: recompute activations to save memory

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import pathlib
 from typing import Any
 
@@ -356,10 +357,19 @@ def flat_keys(config: ml_collections.ConfigDict) -> list[str]:
     return list(flatten(config))
 
 
-def parse_value(text: str) -> bool | int | float | str | None:
-    """Parses an override value: null, bool, int, float, else the string itself."""
+def parse_value(text: str) -> bool | int | float | str | dict | None:
+    """Parses an override value: null, bool, int, float, a JSON object (a dict-valued key such
+    as model.rope_scaling), else the string itself."""
     if text == NULL_WORD:
         return None
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            where = f"{err.msg} at character {err.pos}"
+            raise ConfigError(f"{text!r} is not valid JSON: {where}") from None
+        if isinstance(value, dict):
+            return value
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     for cast in (int, float):
@@ -381,6 +391,9 @@ def _suggest(key: str, keys: list[str]) -> str:
 def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
     """Applies `dotted.key=value` overrides in place, keeping each field's type."""
     keys = flat_keys(config)
+    # A dict-valued key (model.rope_scaling) is set whole, as JSON or null, like a leaf.
+    dict_keys = {k.rsplit(".", 1)[0] for k in keys if k.count(".") > 1}
+    keys += sorted(dict_keys - set(keys))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
@@ -393,8 +406,20 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
         node = config
         for part in parents:
             node = node[part]
-        value = parse_value(text)
+        text_field = node.get_type(leaf) is str  # takes any text, "{" and all
+        try:
+            value = text if text_field and text != NULL_WORD else parse_value(text)
+        except ConfigError as err:
+            raise ConfigError(f"{key}={err}") from None
         current = node[leaf]
+        if isinstance(value, dict) or isinstance(current, ml_collections.ConfigDict):
+            kind = node.get_type(leaf)
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{key}={text!r}: expected a JSON object {{...}} or null")
+            if kind not in (type(None), ml_collections.ConfigDict):
+                raise ConfigError(f"{key}={text!r}: expected {kind.__name__}, got a JSON object")
+            node[leaf] = value
+            continue
         expected = node.get_type(leaf) if hasattr(node, "get_type") else type(current)
         if text.lower() == "none" and expected not in (str, type(None)):
             raise ConfigError(

@@ -6,7 +6,8 @@ its figure cannot define utilisation once layers are scanned or remat is on. So:
 - model FLOPs (the basis of MFU) come from the architecture, the PaLM appendix B
   convention: per token, 6 × the params that take part in a matmul, plus attention's
   12 × layers × d_model × seq_len (scores and weighted values, forward and backward, over
-  the whole square as the kernel computes it). The params counted are all but the
+  the whole square as the kernel computes it; heads × head_dim for a Llama whose
+  model.head_dim is set). The params counted are all but the
   embedding tables read by lookup (a tied table is also the output head, so it counts);
   the MLP classifier counts 6 × its params per example, a model of your own 6 × all its
   params per token (its attention unknown). Remat and scanning leave it alone.

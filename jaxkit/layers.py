@@ -87,11 +87,17 @@ def layer_norm(
 
 
 def rms_norm(
-    d: int, rngs: nnx.Rngs, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32
+    d: int,
+    rngs: nnx.Rngs,
+    *,
+    epsilon: float = 1e-6,  # flax's default
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
 ) -> nnx.RMSNorm:
     """Statistics in float32 whatever `dtype` (flax promotes them), output in `dtype`."""
     return nnx.RMSNorm(
         d,
+        epsilon=epsilon,
         scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), RULES["vector"]),
         dtype=dtype,
         param_dtype=param_dtype,

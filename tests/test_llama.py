@@ -5,6 +5,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -13,7 +14,7 @@ from jaxkit import costs, llama
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import ConfigError, apply_overrides, load_config
 from jaxkit.flops import param_count
-from jaxkit.models import build_model, check_mesh_divides
+from jaxkit.models import build_model, check_mesh_divides, contract
 from jaxkit.optimizer import decays
 from jaxkit.train_step import abstract_params
 from jaxkit.validate import validate
@@ -27,6 +28,14 @@ TINY = [
     "data.seq_len=16",
     "data.max_bytes=60000",
 ]
+
+# Llama 3.1's rope_scaling, its original context shrunk to this test's rows.
+LLAMA3 = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def tiny(*overrides):
@@ -205,6 +214,12 @@ def test_weight_decay_skips_stacked_vectors():
         (["model.remat=some"], "model.remat='some': must be one of none, full, dots"),
         (["model.compute_dtype=float16"], "must be one of float32, bfloat16"),
         (["model.scan_layers=1"], "model.scan_layers='1': expected bool"),
+        (["model.head_dim=7"], "model.head_dim=7 is odd: rotary positions rotate pairs"),
+        (["model.norm_eps=0"], "model.norm_eps=0.0: must be > 0"),
+        (['model.rope_scaling={"factor": 8.0}'], "model.rope_scaling=.*must be null or a dict"),
+        ([f"model.rope_scaling={json.dumps({**LLAMA3, 'factor': 0.5})}"], "must give factor ≥ 1"),
+        (['model.rope_scaling={"factor": 8'], "model.rope_scaling='{.*' is not valid JSON"),
+        (['model.d_model={"a": 1}'], "model.d_model=.*: expected int, got a JSON object"),
     ],
 )
 def test_bad_llama_values_name_their_key(overrides, message):
@@ -212,6 +227,59 @@ def test_bad_llama_values_name_their_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         apply_overrides(config, TINY + overrides)
         validate(config)
+
+
+def test_the_checkpoint_keys_default_to_what_runs_before_them_ran_as():
+    from jaxkit.checkpoint import config_conflicts
+    from jaxkit.config import ADDED_DEFAULTS
+
+    # flax's own RMSNorm epsilon, which every Llama before model.norm_eps used.
+    assert nnx.RMSNorm(4, rngs=nnx.Rngs(0)).epsilon == ADDED_DEFAULTS["model.norm_eps"]
+    assert ADDED_DEFAULTS["model.head_dim"] is None is ADDED_DEFAULTS["model.rope_scaling"]
+    current = tiny()
+    older = current.to_dict()
+    for key in ("norm_eps", "head_dim", "rope_scaling"):
+        del older["model"][key]
+    assert config_conflicts(older, current.to_dict()) == []
+    # A config saved before them builds the same model: same params, same logits, bit for bit.
+    new_model, old_model = model_of(current), model_of(ml_collections.ConfigDict(older))
+    assert jax.tree.all(jax.tree.map(np.array_equal, pure(new_model), pure(old_model)))
+    np.testing.assert_array_equal(new_model(tokens(current)), old_model(tokens(current)))
+
+
+def test_rope_scaling_is_set_on_the_command_line_as_json_and_back_to_null():
+    config = tiny(f"model.rope_scaling={json.dumps(LLAMA3)}")
+    assert config.model.rope_scaling.to_dict() == LLAMA3
+    apply_overrides(config, ["model.rope_scaling.factor=16.0"])
+    assert config.model.rope_scaling.factor == 16.0
+    apply_overrides(config, ["model.rope_scaling=null"])
+    assert config.model.rope_scaling is None
+    validate(config)
+
+
+def test_head_dim_sets_the_head_width_apart_from_d_model_and_the_sizes_follow():
+    # d_model 36 does not divide over 4 heads: with head_dim set it need not.
+    config = tiny("model.d_model=36", "model.head_dim=10")
+    model = model_of(config)
+    params = pure(model)
+    block = params["blocks"][0]
+    assert block["query"]["kernel"].shape == (36, 4 * 10)
+    assert block["key"]["kernel"].shape == block["value"]["kernel"].shape == (36, 2 * 10)
+    assert block["attn_out"]["kernel"].shape == (4 * 10, 36)
+    built = sum(leaf.size for leaf in jax.tree.leaves(params))
+    assert param_count(config) == built == sum(llama.parameter_count(config.model).values())
+    # Attention's FLOPs (PaLM's 12 × layers × width × seq_len per token) use heads × head_dim.
+    kernels = sum(
+        x.size
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+        if path[-1].key == "kernel"
+    )
+    seq, layers = config.data.seq_len, config.model.num_layers
+    assert (
+        contract(config).flops_per_example(config, kernels)
+        == (6 * kernels + 12 * layers * 40 * seq) * seq
+    )
+    assert model(tokens(config)).shape == (2, seq, config.model.vocab_size)
 
 
 def test_key_value_heads_must_split_over_the_tensor_axis():

@@ -197,6 +197,8 @@ def _sharded_dims(config):
         # Distinct sizes, so each sharded dimension points at one key.
         ("lm_tiny", ["model.d_model=48", "model.num_heads=4", "model.mlp_dim=80"]),
         ("lm_tiny", ["model.d_model=48", "model.num_layers=1", "model.mlp_dim=80"]),
+        # heads × head_dim 56 and kv heads × head_dim 28 apart from d_model 48 (tensor side)
+        ("llama_tiny", ["model.d_model=48", "model.head_dim=14", "model.mlp_dim=80"]),
         ("mlp_digits", ["model.hidden_size=96"]),
         ("mlp_digits", ["model.hidden_size=96", "model.num_layers=3"]),
         ("mlp_digits", ["model.hidden_size=96", "model.num_layers=1"]),

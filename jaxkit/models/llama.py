@@ -3,33 +3,51 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
-from jaxkit.keys import POSITIVE, REQUIRED, Key, boolean, number
+from jaxkit.keys import (
+    POSITIVE,
+    REQUIRED,
+    ConfigError,
+    Key,
+    Rule,
+    boolean,
+    integer,
+    number,
+    show,
+)
+from jaxkit.models import lm
+from jaxkit.models.llama_shape import (
+    NORM_EPS,
+    ROPE_SCALING_FIELDS,
+    head_dim,
+    norm_eps,
+    rope_scaling,
+)
 from jaxkit.models.lm import (
     DATA_KEYS,
     LM_OPTION_KEYS,
     READS_LM_OPTIONS,
     check_model,
     check_shards,
-    check_values,
     facts,
     flops_per_example,
     is_lm,
     kernel_params,
-    sharded_sizes,
     sizes,
 )
 
 if TYPE_CHECKING:
     from flax import nnx
 
-    from jaxkit.models.common import Params
+    from jaxkit.models.common import Params, Sizes
 
 __all__ = [
+    "NORM_EPS",
     "READS_LM_OPTIONS",
+    "ROPE_SCALING_FIELDS",
     "build",
     "check_model",
     "check_shards",
@@ -40,17 +58,36 @@ __all__ = [
     "is_lm",
     "keys",
     "matmul_params",
+    "norm_eps",
+    "rope_scaling",
     "sharded_sizes",
 ]
 
-# flax's RMSNorm epsilon: what every run before model.norm_eps ran with.
-NORM_EPS = 1e-6
-# model.rope_scaling's fields: Llama 3.1's frequency scaling ("rope_type": "llama3" in HF's).
-ROPE_SCALING_FIELDS = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
+
+def _rope_scaling_problem(value: object) -> str | None:
+    """None, or what is wrong with a model.rope_scaling value (HF's llama3 checks)."""
+    if value is None:
+        return None
+    fields = ", ".join(ROPE_SCALING_FIELDS)
+    if not isinstance(value, Mapping) or set(value) != set(ROPE_SCALING_FIELDS):
+        return f"must be null or a dict of exactly {fields}"
+    numbers = {field: value[field] for field in ROPE_SCALING_FIELDS}
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers.values()):
+        return f"must give numbers for {fields}"
+    original = numbers["original_max_position_embeddings"]
+    if not isinstance(original, int) or original < 1:
+        return "must give original_max_position_embeddings as a positive integer"
+    if numbers["factor"] < 1:
+        return "must give factor ≥ 1 (the context is stretched, never shrunk)"
+    if not 0 < numbers["low_freq_factor"] < numbers["high_freq_factor"]:
+        return "must give 0 < low_freq_factor < high_freq_factor"
+    return None
+
+
+ROPE_SCALING = Rule(
+    "null, or a dict: factor ≥ 1, 0 < low_freq_factor < high_freq_factor, "
     "original_max_position_embeddings",
+    _rope_scaling_problem,
 )
 
 # The model's sizes and the data it reads (required), and the options it may leave out.
@@ -71,16 +108,63 @@ KEYS: tuple[Key, ...] = (
         number(0, open_low=True, open_high=False),
         "the rotary base period",
     ),
+    # Hugging Face checkpoints' shapes (jaxkit/hf/); the defaults are what runs before ran as.
+    Key(
+        "model.norm_eps",
+        NORM_EPS,
+        number(0, open_low=True, open_high=False),
+        "RMSNorm's epsilon (Hugging Face's rms_norm_eps: Llama 2 and 3 use 1e-5)",
+        added=NORM_EPS,
+    ),
+    Key(
+        "model.head_dim",
+        None,
+        integer(2, nullable=True),
+        "each attention head's width, even (null: d_model / num_heads, which must divide)",
+        type=int,
+        added=None,
+    ),
+    Key(
+        "model.rope_scaling",
+        None,
+        ROPE_SCALING,
+        "null, or Llama 3.1's rotary frequency scaling (Hugging Face's rope_type llama3): "
+        "a dict of factor, low_freq_factor, high_freq_factor and "
+        "original_max_position_embeddings; on the command line as JSON",
+        type=dict,
+        added=None,
+    ),
     *DATA_KEYS,
     *LM_OPTION_KEYS,
 )
 
 
-def head_dim(m: ml_collections.ConfigDict) -> int:
-    """Each attention head's width: model.head_dim, or d_model / num_heads where it is null
-    (or the config predates it)."""
-    width = m.get("head_dim")
-    return int(width) if width is not None else int(m.d_model // m.num_heads)
+def check_values(flat: Mapping[str, Any]) -> None:
+    """The language models' checks, and model.rope_scaling's fields (a dict in the config,
+    so `flat` holds them as model.rope_scaling.FIELD)."""
+    lm.check_values(flat)
+    prefix = "model.rope_scaling."
+    fields = {key[len(prefix) :]: v for key, v in flat.items() if key.startswith(prefix)}
+    value = fields or flat.get("model.rope_scaling")
+    problem = _rope_scaling_problem(value)
+    if problem:
+        raise ConfigError(f"model.rope_scaling={show(value)}: {problem}")
+
+
+def sharded_sizes(config: ml_collections.ConfigDict) -> Sizes:
+    """As the language models', where heads take d_model / num_heads dimensions each; with
+    model.head_dim set, d_model lies on fsdp only, and heads × head_dim (and key/value heads
+    × head_dim) are the tensor side of the attention projections."""
+    m = config.model
+    if m.get("head_dim") is None:
+        return lm.sharded_sizes(config)
+    k = head_dim(m)
+    return [
+        ("model.d_model", m.d_model, ("fsdp",)),
+        ("model.num_heads × model.head_dim", m.num_heads * k, ("tensor",)),
+        ("model.num_kv_heads × model.head_dim", m.num_kv_heads * k, ("tensor",)),
+        ("model.mlp_dim", m.mlp_dim, ("tensor",)),
+    ]
 
 
 def keys(flat: Mapping[str, object]) -> tuple[Key, ...]:

@@ -18,15 +18,40 @@ from flax import nnx
 
 from jaxkit import layers
 from jaxkit.mesh import RULES, constrain
+from jaxkit.models import llama_shape
 
 INIT_STDDEV = 0.02  # GPT-2's; residual outputs are scaled down further by depth
 
 
-def rotary(x_BxLxNxK: jax.Array, theta: float, positions_BxL: jax.Array | None = None) -> jax.Array:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, float] | None = None
+) -> jax.Array:
+    """The rotary angle per position of each pair of a head's dimensions, float32; with
+    `scaling` (model.rope_scaling), Llama 3.1's: long wavelengths slowed by `factor`, short
+    ones kept, those between blended, as Hugging Face's `_compute_llama3_parameters`."""
+    inv_freq_K2 = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is None:
+        return inv_freq_K2
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen_K2 = 2 * math.pi / inv_freq_K2
+    slowed_K2 = jnp.where(wavelen_K2 > context / low, inv_freq_K2 / factor, inv_freq_K2)
+    smooth_K2 = (context / wavelen_K2 - low) / (high - low)
+    blended_K2 = (1 - smooth_K2) * slowed_K2 / factor + smooth_K2 * slowed_K2
+    medium_K2 = (wavelen_K2 >= context / high) & (wavelen_K2 <= context / low)
+    return jnp.where(medium_K2, blended_K2, slowed_K2)
+
+
+def rotary(
+    x_BxLxNxK: jax.Array,
+    theta: float,
+    positions_BxL: jax.Array | None = None,
+    scaling: dict[str, float] | None = None,
+) -> jax.Array:
     """Rotary position embedding (rotate-half form), angles computed in float32; positions
-    0..L-1 unless given (packed documents restart at 0)."""
+    0..L-1 unless given (packed documents restart at 0); `scaling` as inverse_frequencies."""
     L, K = x_BxLxNxK.shape[1], x_BxLxNxK.shape[3]
-    inv_freq_K2 = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
+    inv_freq_K2 = inverse_frequencies(K, theta, scaling)
     pos_BxL = jnp.arange(L)[None] if positions_BxL is None else positions_BxL
     angles_BxLxK2 = pos_BxL.astype(jnp.float32)[..., None] * inv_freq_K2
     cos, sin = jnp.cos(angles_BxLxK2)[:, :, None, :], jnp.sin(angles_BxLxK2)[:, :, None, :]
@@ -39,19 +64,21 @@ class LlamaBlock(nnx.Module):
     def __init__(self, m: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
         param_dtype, dtype = layers.dtypes(m)
         D, H, G, F = m.d_model, m.num_heads, m.num_kv_heads, m.mlp_dim
-        K = D // H
+        K = llama_shape.head_dim(m)
         self.num_heads, self.num_kv_heads, self.rope_theta = H, G, float(m.rope_theta)
+        self.head_dim, self.rope_scaling = K, llama_shape.rope_scaling(m)
+        eps = llama_shape.norm_eps(m)
         init = nnx.initializers.normal(INIT_STDDEV)
         # Each block adds two outputs to the residual stream: scaled so its variance stays
         # put with depth (GPT-2's 1/sqrt(2 × layers)).
         out_init = nnx.initializers.normal(INIT_STDDEV / math.sqrt(2 * m.num_layers))
         kw: dict[str, Any] = dict(dtype=dtype, param_dtype=param_dtype)
-        self.attn_norm = layers.rms_norm(D, rngs, **kw)
+        self.attn_norm = layers.rms_norm(D, rngs, epsilon=eps, **kw)
         self.query = layers.linear(D, H * K, "in_proj", None, rngs, kernel_init=init, **kw)
         self.key = layers.linear(D, G * K, "in_proj", None, rngs, kernel_init=init, **kw)
         self.value = layers.linear(D, G * K, "in_proj", None, rngs, kernel_init=init, **kw)
         self.attn_out = layers.linear(H * K, D, "out_proj", None, rngs, kernel_init=out_init, **kw)
-        self.mlp_norm = layers.rms_norm(D, rngs, **kw)
+        self.mlp_norm = layers.rms_norm(D, rngs, epsilon=eps, **kw)
         self.gate = layers.linear(D, F, "in_proj", None, rngs, kernel_init=init, **kw)
         self.up = layers.linear(D, F, "in_proj", None, rngs, kernel_init=init, **kw)
         self.down = layers.linear(F, D, "out_proj", None, rngs, kernel_init=out_init, **kw)
@@ -62,12 +89,12 @@ class LlamaBlock(nnx.Module):
         mask_Bx1xLxL: jax.Array | None = None,
         positions_BxL: jax.Array | None = None,
     ) -> jax.Array:
-        B, L, D = x_BxLxD.shape
-        H, G = self.num_heads, self.num_kv_heads
-        K = D // H
+        B, L = x_BxLxD.shape[:2]
+        H, G, K = self.num_heads, self.num_kv_heads, self.head_dim
         h_BxLxD = self.attn_norm(x_BxLxD)
-        q_BxLxHxK = rotary(self.query(h_BxLxD).reshape(B, L, H, K), self.rope_theta, positions_BxL)
-        k_BxLxGxK = rotary(self.key(h_BxLxD).reshape(B, L, G, K), self.rope_theta, positions_BxL)
+        rope = (self.rope_theta, positions_BxL, self.rope_scaling)
+        q_BxLxHxK = rotary(self.query(h_BxLxD).reshape(B, L, H, K), *rope)
+        k_BxLxGxK = rotary(self.key(h_BxLxD).reshape(B, L, G, K), *rope)
         v_BxLxGxK = self.value(h_BxLxD).reshape(B, L, G, K)
         q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = (
             constrain(t, "batch", None, "heads", None) for t in (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
@@ -106,7 +133,11 @@ class LlamaLM(nnx.Module):
             lambda r: LlamaBlock(m, rngs=r), m.num_layers, self.scan, rngs
         )
         self.final_norm = layers.rms_norm(
-            m.d_model, rngs, dtype=self.dtype, param_dtype=param_dtype
+            m.d_model,
+            rngs,
+            epsilon=llama_shape.norm_eps(m),
+            dtype=self.dtype,
+            param_dtype=param_dtype,
         )
         if not self.tie_embeddings:
             self.head = layers.linear(
@@ -144,7 +175,7 @@ def parameter_count(m: ml_collections.ConfigDict) -> dict[str, int]:
     """Params by kind, in closed form: the embedding table, the output head (0 when tied),
     and the blocks and final norm."""
     D, H, G, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size
-    K = D // H
+    K = llama_shape.head_dim(m)
     attention = D * H * K + 2 * D * G * K + H * K * D
     block = attention + 3 * D * F + 2 * D  # SwiGLU's three matrices; two RMSNorm scales
     return {

@@ -97,7 +97,8 @@ LM_OPTION_KEYS: tuple[Key, ...] = (
 def check_values(flat: Mapping[str, Any]) -> None:
     """Constraints between a language model's keys, once each holds a value of its kind."""
     d_model, heads = flat["model.d_model"], flat["model.num_heads"]
-    if d_model % heads:
+    width = flat.get("model.head_dim")  # llama's; null: d_model / num_heads
+    if width is None and d_model % heads:
         raise ConfigError(
             f"model.d_model={d_model} is not divisible by model.num_heads={heads}: each head "
             "takes d_model / num_heads dimensions"
@@ -108,10 +109,14 @@ def check_values(flat: Mapping[str, Any]) -> None:
             f"model.num_heads={heads} is not divisible by model.num_kv_heads={kv_heads}: each "
             "key/value head serves an equal group of query heads"
         )
-    if kv_heads is not None and (d_model // heads) % 2:
+    if kv_heads is not None and width is None and (d_model // heads) % 2:
         raise ConfigError(
             f"model.d_model / model.num_heads = {d_model // heads} is odd: rotary positions "
             "rotate pairs of a head's dimensions"
+        )
+    if width is not None and width % 2:
+        raise ConfigError(
+            f"model.head_dim={width} is odd: rotary positions rotate pairs of a head's dimensions"
         )
     if flat["data.source"] != "tokens":
         for key, off in (("data.document_mask", False), ("data.rows", "windows")):
@@ -171,10 +176,12 @@ def kernel_params(params: Params, *, tied_table: bool = False) -> int:
 
 
 def flops_per_example(config: ml_collections.ConfigDict, matmul_params: int) -> float:
-    """6 × the matmul params per token, plus attention's 12 × layers × d_model × seq_len
-    (scores and weighted values, forward and backward, over the whole square)."""
+    """6 × the matmul params per token, plus attention's 12 × layers × heads × head_dim ×
+    seq_len (scores and weighted values, forward and backward, over the whole square);
+    heads × head_dim is d_model unless model.head_dim says otherwise."""
     m, seq_len = config.model, config.data.seq_len
-    per_token = 6.0 * matmul_params + 12.0 * m.num_layers * m.d_model * seq_len
+    width = m.d_model if m.get("head_dim") is None else m.num_heads * m.head_dim
+    per_token = 6.0 * matmul_params + 12.0 * m.num_layers * width * seq_len
     return per_token * seq_len
 
 
