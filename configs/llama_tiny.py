@@ -25,6 +25,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.mlp_dim = 384  # SwiGLU's three matrices: about lm_tiny's MLP params
     c.model.tie_embeddings = False
     c.model.rope_theta = 10000.0
+    # or hf:DIR, a local Hugging Face Llama: its config.json then sets the sizes above
+    c.model.init_from = ml_collections.config_dict.placeholder(str)
     c.model.norm_eps = 1e-6  # RMSNorm's epsilon (Llama 2 and 3 checkpoints use 1e-5)
     c.model.head_dim = ml_collections.config_dict.placeholder(int)  # null: d_model / num_heads
     # null, or Llama 3.1's {factor, low_freq_factor, high_freq_factor,

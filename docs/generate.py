@@ -67,9 +67,9 @@ def cli_reference() -> str:
         "Every command takes its options anywhere after the command word, and `-h` (`--help`)",
         "prints its usage. What the commands print and write is told in the pages about them:",
         "[the batch plan](../batch-plan.md), [training](../training.md),",
-        "[experiments](../experiments.md), [reports](../reports.md) and",
-        "[your own data](../data.md); what their statuses mean in",
-        "[exit statuses](../exit-statuses.md).",
+        "[experiments](../experiments.md), [reports](../reports.md),",
+        "[your own data](../data.md) and [pretrained models](../pretrained.md); what their",
+        "statuses mean in [exit statuses](../exit-statuses.md).",
         "",
     ]
     for name, parser in commands.items():
@@ -113,6 +113,7 @@ _SEE = {
     "model.kind": "../training.md#your-own-model",
     "model.remat": "../models-at-scale.md",
     "data.source": "../data.md#your-own-data",
+    "model.init_from": "../pretrained.md",
 }
 
 

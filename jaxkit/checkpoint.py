@@ -36,12 +36,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import orbax.checkpoint as ocp
 
 from jaxkit.batch_plan import Accumulation
 from jaxkit.batch_schedule import Position
 from jaxkit.config import ADDED_DEFAULTS, flatten, resumable
-from jaxkit.train_step import abstract_state
+from jaxkit.train_step import abstract_params, abstract_state
 from jaxkit.workdir import absolute, missing_gcs_support
 
 # checkpoints/step_N: N optimizer steps done. Older workdirs hold checkpoints/M, M micro-steps.
@@ -307,6 +308,46 @@ def _restore(manager: ocp.CheckpointManager, step: int, abstract_state: Any) -> 
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
     )
     return restored.state
+
+
+def saved_steps(directory: str | os.PathLike) -> list[int]:
+    """The optimizer steps with a checkpoint in `directory` (WORKDIR/checkpoints), read
+    without touching it: no temporary directory of a save in flight is cleaned up."""
+    if not absolute(directory).exists():
+        return []
+    return sorted(_manager(absolute(directory), create=False, step_prefix=STEP_PREFIX).all_steps())
+
+
+def restore_params(directory: str | os.PathLike, step: int) -> tuple[Any, dict]:
+    """(params, record) of the checkpoint at optimizer step `step`, the params alone (not
+    the optimizer state) as host-readable arrays on one CPU device, shaped as the record's
+    config builds them."""
+    # The state's own handler restores whole trees only; the PyTree one it wraps reads the
+    # same files and can leave the optimizer state on disk.
+    manager = ocp.CheckpointManager(
+        absolute(directory),
+        options=ocp.CheckpointManagerOptions(create=False, step_prefix=STEP_PREFIX),
+        item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        },
+    )
+    meta = _read_meta(manager, step)
+    one = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    wanted = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+        abstract_params(ml_collections.ConfigDict(meta["config"])),
+    )
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=one), wanted)
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                {"params": wanted}, restore_args={"params": restore_args}, partial_restore=True
+            )
+        ),
+    )
+    return restored.state["params"], meta
 
 
 def plans_side_by_side(old: dict, new: dict) -> str:

@@ -1,4 +1,4 @@
-"""`jaxkit plan`, `train`, `experiment`, `report` and `data prepare`: a thin layer over
+"""`jaxkit plan`, `train`, `experiment`, `report`, `data prepare` and `export`: a thin layer over
 importable functions. Each command's options and output live in its module of
 `jaxkit.commands`; this one parses the line, starts JAX and hands over.
 
@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from jaxkit.commands import data, experiment, plan, report, train
+from jaxkit.commands import data, experiment, export, plan, report, train
 from jaxkit.commands.common import (
     DEFAULT_HOST_DEVICES,
     INTERRUPTED,
@@ -29,7 +29,7 @@ from jaxkit.commands.common import (
 if TYPE_CHECKING:
     import ml_collections
 
-COMMANDS = ("plan", "train", "experiment", "report", "data")
+COMMANDS = ("plan", "train", "experiment", "report", "data", "export")
 
 
 def make_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -40,7 +40,7 @@ def make_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "per_device_batch × grad_accum_steps is a first-class object.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = (plan, train, experiment, report, data)
+    modules = (plan, train, experiment, report, data, export)
     commands = {name: m.add_parser(sub) for name, m in zip(COMMANDS, modules, strict=True)}
     return parser, commands
 
@@ -93,11 +93,13 @@ def _split_args(args: list[str]) -> tuple[str, list[str]]:
 def _load_config(args: list[str]) -> ml_collections.ConfigDict:
     """CONFIG with its overrides applied and every value checked (before JAX starts)."""
     from jaxkit.config import apply_overrides, load_config
+    from jaxkit.hf.load import apply_init_from
     from jaxkit.validate import validate
 
     name, overrides = _split_args(args)
     config = load_config(name)
     apply_overrides(config, overrides)
+    apply_init_from(config, overrides)  # model.init_from=hf:DIR: its architecture
     validate(config)
     return config
 
@@ -184,6 +186,8 @@ def _main(argv: list[str] | None) -> int:
         return report.run(opts)  # reads files only: JAX need not start
     if opts.command == "data":
         return data.run(opts)  # nor here
+    if opts.command == "export":
+        return export.run(opts)  # no config: the checkpoint's own
     from jaxkit.config import ConfigError
 
     try:

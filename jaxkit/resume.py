@@ -21,6 +21,7 @@ from jaxkit import data as data_lib
 from jaxkit.batch_plan import BatchPlan, BatchPlanError
 from jaxkit.batch_schedule import AutoRamp, BatchSchedule, schedule_from_config
 from jaxkit.checkpoint import Restored, position_of
+from jaxkit.hf import load as hf_load
 from jaxkit.layers import LM_DEFAULTS, lm_option
 from jaxkit.metrics import truncate_metrics
 from jaxkit.models import contract
@@ -59,6 +60,14 @@ def starting_point(
         setup = dataclasses.replace(setup, schedule=schedule)
         ramp = AutoRamp.load(restored.meta["loop"].get("batch_schedule"))
         tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
+        if hf_load.source_dir(config) is not None:
+            echo(
+                f"model.init_from={config.model.init_from} is not read: the checkpoint at "
+                f"step {position.step} holds the params"
+            )
+    elif hf_load.source_dir(config) is not None:
+        state = hf_load.initial_state(config, setup)
+        echo(f"params from {config.model.init_from}; the optimizer state starts fresh")
     else:
         state = setup.init(jax.random.key(config.train.seed))
     if schedule.plan_at(position.examples) != plan:

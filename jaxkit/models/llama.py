@@ -64,6 +64,12 @@ __all__ = [
 ]
 
 
+def _init_from(value: object) -> str | None:
+    if value is None or (isinstance(value, str) and value.startswith("hf:") and value[3:]):
+        return None
+    return "must be null or hf:DIR, a local Hugging Face model directory"
+
+
 def _rope_scaling_problem(value: object) -> str | None:
     """None, or what is wrong with a model.rope_scaling value (HF's llama3 checks)."""
     if value is None:
@@ -132,6 +138,18 @@ KEYS: tuple[Key, ...] = (
         "a dict of factor, low_freq_factor, high_freq_factor and "
         "original_max_position_embeddings; on the command line as JSON",
         type=dict,
+        added=None,
+    ),
+    # Read before validation (jaxkit/hf/load.py): config.json's architecture replaces the
+    # model keys. Only a fresh start reads the weights, so a resume may leave it as it is.
+    Key(
+        "model.init_from",
+        None,
+        Rule("null or hf:DIR", _init_from),
+        "null (random init) or `hf:DIR`, a local Hugging Face Llama directory (config.json, "
+        "*.safetensors): its architecture and weights; read at a fresh start only",
+        type=str,
+        resumable=True,
         added=None,
     ),
     *DATA_KEYS,

@@ -1,0 +1,110 @@
+"""`jaxkit export WORKDIR --hf OUT`: a run's checkpoint as a Hugging Face Llama directory
+(config.json, model.safetensors, and the tokenizer the run's data was prepared with), which
+`transformers` loads as it loads its own.
+
+The params are restored from the checkpoint (checkpoint.restore_params) onto one CPU
+device, renamed and transposed to HF's layout (names.to_hf) and written in the asked
+dtype: a model loaded from bfloat16 weights into float32 params and exported untouched
+with --dtype bfloat16 gives the source's tensors back, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from jaxkit.checkpoint import CheckpointError, restore_params, saved_steps
+from jaxkit.hf import names
+from jaxkit.workdir import as_path
+
+DTYPES = ("bfloat16", "float32")
+WEIGHTS_NAME = "model.safetensors"
+# A tokenizer.json's companions in a Hugging Face directory, copied where they sit beside it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def export_hf(
+    workdir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Writes the checkpoint of optimizer step `step` (default: the latest) of the run in
+    `workdir` to the new directory `out` as HF's Llama; `dtype` defaults to the run's
+    model.param_dtype. Returns the config.json written."""
+    checkpoints = as_path(workdir) / "checkpoints"
+    steps = saved_steps(checkpoints)
+    if not steps:
+        raise CheckpointError(f"{workdir} holds no checkpoint (checkpoints/step_N) to export")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointError(
+            f"--step {step}: {workdir} has checkpoints at steps {', '.join(map(str, steps))}"
+        )
+    target = pathlib.Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(f"--hf {out} exists and is not an empty directory: name a new one")
+    params, meta = restore_params(checkpoints, step)
+    config = ml_collections.ConfigDict(meta["config"])
+    m = config.model
+    if m.get("kind") != "llama":
+        raise CheckpointError(
+            f"--hf writes Hugging Face Llama checkpoints: the run in {workdir} trained "
+            f"model.kind={m.get('kind')!r}, not 'llama'"
+        )
+    dtype = dtype or str(m.get("param_dtype", "float32"))
+    tensors = {name: t.astype(_dtype(dtype)) for name, t in names.to_hf(params, m).items()}
+    del params
+    cfg = names.hf_config_from_model(
+        m, torch_dtype=dtype, max_position_embeddings=max(2048, int(config.data.seq_len))
+    )
+    target.mkdir(parents=True, exist_ok=True)
+    from safetensors.numpy import save_file
+
+    # transformers reads only safetensors files that say which framework wrote them.
+    save_file(tensors, str(target / WEIGHTS_NAME), metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    copied = _copy_tokenizer(meta, target, echo)
+    echo(
+        f"wrote {target}: step {step}, {len(tensors)} tensors in {dtype}"
+        + (f", {copied}" if copied else "")
+    )
+    return cfg
+
+
+def _copy_tokenizer(meta: dict, target: pathlib.Path, echo: Callable[[str], None]) -> str:
+    """The tokenizer.json the run's token data was prepared with (its fingerprint names
+    it), and its companion files; the bytes tokenizer has no file to copy."""
+    tokenizer = ((meta.get("data") or {}).get("fingerprint") or {}).get("tokenizer")
+    if tokenizer is None or tokenizer == "bytes":
+        return ""
+    source = pathlib.Path(tokenizer)
+    if not source.is_file():
+        echo(
+            f"warning: the run's data was prepared with {tokenizer}, which is not there now: "
+            f"{target} has no tokenizer (copy it beside config.json)"
+        )
+        return ""
+    shutil.copyfile(source, target / "tokenizer.json")
+    copied = ["tokenizer.json"]
+    for name in TOKENIZER_FILES[1:]:
+        if (source.parent / name).is_file():
+            shutil.copyfile(source.parent / name, target / name)
+            copied.append(name)
+    return ", ".join(copied)

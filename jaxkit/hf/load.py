@@ -1,0 +1,304 @@
+"""model.init_from="hf:DIR": a local Hugging Face Llama directory (config.json and
+*.safetensors, sharded with model.safetensors.index.json or not) as a run's first params.
+
+Two moments. Before validation (before JAX starts), `apply_init_from` reads config.json:
+its architecture replaces the config file's model keys, a command-line override that
+contradicts it is refused, and the weight files' headers are checked (every tensor there,
+with its shape; nothing the model would not read; never a pickle). At a fresh start,
+`initial_state` reads the weights: each process reads, from memory-mapped safetensors,
+only the slices its own devices hold (`jax.make_array_from_callback` with the train
+state's shardings), so beyond the devices' buffers host memory stays near one tensor's
+slice. The optimizer state starts fresh. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import pathlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import ml_collections
+import numpy as np
+
+from jaxkit.config import ConfigError, parse_value
+from jaxkit.hf import names
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxkit.train_step import Setup, TrainState
+
+PREFIX = "hf:"
+INDEX_NAME = "model.safetensors.index.json"
+# Files of pickled weights (torch.save): loading one runs whatever code it holds.
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+_COMPARE_ROWS = 1024  # a tied head is compared with the table this many rows at a time
+
+
+def source_dir(config: ml_collections.ConfigDict) -> pathlib.Path | None:
+    """The directory model.init_from names, or None where it is null (or the kind has none)."""
+    model = config.get("model")
+    value = model.get("init_from") if model is not None else None
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith(PREFIX) or not value[len(PREFIX) :]:
+        raise ConfigError(
+            f"model.init_from={value!r}: give hf:DIR, a local Hugging Face model directory "
+            "(config.json and *.safetensors), or null"
+        )
+    return pathlib.Path(value[len(PREFIX) :]).expanduser()
+
+
+def read_hf_config(directory: pathlib.Path) -> dict[str, Any]:
+    """config.json of `directory`, once the directory is checked to hold safetensors."""
+    where = f"model.init_from=hf:{directory}"
+    if not directory.is_dir():
+        raise ConfigError(f"{where}: no such directory (nothing is downloaded: fetch it first)")
+    path = directory / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no config.json: not a Hugging Face model directory") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{where}: config.json does not read as JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: config.json is not a JSON object")
+    weight_files(directory)  # refuses a directory of pickles before anything else
+    return cfg
+
+
+def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Each tensor's safetensors file: from model.safetensors.index.json's weight_map where
+    there is one, else from the headers of every *.safetensors in `directory`."""
+    from safetensors import safe_open
+
+    where = f"model.init_from=hf:{directory}"
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for pattern in PICKLES for p in directory.glob(pattern))
+        if pickles:
+            raise ConfigError(
+                f"{where} holds pickled weights only ({', '.join(pickles[:3])}), which jaxkit "
+                "never loads (unpickling runs code): save them as safetensors "
+                "(transformers' save_pretrained(safe_serialization=True))"
+            )
+        raise ConfigError(f"{where} holds no *.safetensors weights")
+    index = directory / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"{where}: {INDEX_NAME} has no readable weight_map ({err})") from None
+        found = {name: directory / file for name, file in weight_map.items()}
+        missing = sorted({p.name for p in found.values() if not p.is_file()})
+        if missing:
+            raise ConfigError(f"{where}: {INDEX_NAME} names missing files: {', '.join(missing)}")
+        return found
+    found = {}
+    for path in files:
+        with safe_open(str(path), framework="numpy") as f:
+            for name in f.keys():  # noqa: SIM118  (a safe_open handle has no __iter__)
+                found[name] = path
+    return found
+
+
+def apply_init_from(config: ml_collections.ConfigDict, overrides: Sequence[str] = ()) -> None:
+    """Where model.init_from names a directory, its config.json's architecture replaces
+    the config's model keys, in place. `overrides` (`key=value`, as given on the command
+    line) may repeat a value of config.json, not contradict it. The weight files are checked
+    against that architecture here, before any work."""
+    directory = source_dir(config)
+    if directory is None:
+        return
+    cfg = read_hf_config(directory)
+    seq_len = config.get("data", {}).get("seq_len")
+    keys = names.model_keys_from_hf_config(cfg, seq_len=seq_len)
+    given = dict(item.split("=", 1) for item in overrides if "=" in item)
+    differing = [
+        f"{key}={given[key]} (config.json: {value})"
+        for key, value in keys.items()
+        if key in given and parse_value(given[key]) != value
+    ]
+    if differing:
+        raise ConfigError(
+            f"model.init_from=hf:{directory} sets the architecture, and the command line "
+            f"contradicts it: {', '.join(differing)}; leave those overrides out"
+        )
+    with config.unlocked() if config.is_locked else contextlib.nullcontext():
+        for key, value in keys.items():
+            section, leaf = key.split(".", 1)
+            if leaf in config[section]:
+                del config[section][leaf]  # its type may differ from the file's (an int theta)
+            config[section][leaf] = value
+    check_weights(directory, config.model)
+
+
+def _expected(m: ml_collections.ConfigDict) -> dict[str, names.HfTensor]:
+    return {t.name: t for t in names.hf_tensors(m)}
+
+
+@contextlib.contextmanager
+def _opened(directory: pathlib.Path) -> Iterator[Callable[[str], Any]]:
+    """A function from a tensor's name to its safetensors slice (memory-mapped: reading a
+    slice reads its bytes only), each file opened once."""
+    from safetensors import safe_open
+
+    files = weight_files(directory)
+    with contextlib.ExitStack() as stack:
+        handles = {
+            path: stack.enter_context(safe_open(str(path), framework="numpy"))
+            for path in sorted(set(files.values()))
+        }
+        yield lambda name: handles[files[name]].get_slice(name)
+
+
+def check_weights(directory: pathlib.Path, m: ml_collections.ConfigDict) -> None:
+    """Every tensor the model section `m` needs is in the files, with its shape and a float
+    dtype; none is there that it would not read (a tied head must be the table)."""
+    where = f"model.init_from=hf:{directory}"
+    files = weight_files(directory)
+    expected = _expected(m)
+    missing = [name for name in expected if name not in files]
+    if missing:
+        raise ConfigError(
+            f"{where}: the weights lack {len(missing)} tensor(s) config.json implies, "
+            f"e.g. {missing[0]!r}"
+        )
+    extra = [n for n in files if n not in expected and not n.endswith(names._IGNORED_SUFFIX)]
+    with _opened(directory) as slice_of:
+        for name, t in expected.items():
+            s = slice_of(name)
+            shape, dtype = tuple(s.get_shape()), s.get_dtype()
+            if shape != t.shape or dtype not in FLOAT_DTYPES:
+                raise ConfigError(
+                    f"{where}: {name} is {dtype} {shape}, config.json implies a float "
+                    f"tensor of {t.shape}: the weights and config.json disagree"
+                )
+        for name in extra:
+            if name == "lm_head.weight" and m.tie_embeddings:
+                _check_tied_head(slice_of, where)
+                continue
+            raise ConfigError(
+                f"{where}: tensor {name!r} has no place in model.kind='llama' (no biases, no "
+                "other layers): not a plain Llama checkpoint"
+            )
+
+
+def _check_tied_head(slice_of: Callable[[str], Any], where: str) -> None:
+    """Some tied checkpoints store the head too: it must be the table, row for row."""
+    head, table = slice_of("lm_head.weight"), slice_of("model.embed_tokens.weight")
+    rows = table.get_shape()[0]
+    same = head.get_shape() == table.get_shape()
+    for start in range(0, rows, _COMPARE_ROWS):
+        if not same:
+            break
+        span = slice(start, min(start + _COMPARE_ROWS, rows))
+        same = np.array_equal(head[span], table[span])
+    if not same:
+        raise ConfigError(
+            f"{where}: lm_head.weight differs from model.embed_tokens.weight but "
+            "config.json ties them (tie_word_embeddings): not a consistent checkpoint"
+        )
+
+
+def _read(
+    slice_of: Callable[[str], Any],
+    tensors: Sequence[names.HfTensor],
+    dtype: np.dtype,
+    index: tuple[slice, ...],
+) -> np.ndarray:
+    """The part `index` of a param, read from its HF tensor (one per layer, stacked, for a
+    scanned model's blocks), transposed to jaxkit's (in, out) where HF stores (out, in)."""
+    if len(tensors) > 1:  # scanned: index[0] picks layers, each its own HF tensor
+        rows = range(*index[0].indices(len(tensors)))
+        return np.stack([_read(slice_of, [tensors[i]], dtype, index[1:]) for i in rows])
+    t = tensors[0]
+    part = slice_of(t.name)[index[::-1] if t.transpose else index]
+    return np.ascontiguousarray((part.T if t.transpose else part).astype(dtype))
+
+
+def load_params(
+    directory: pathlib.Path,
+    m: ml_collections.ConfigDict,
+    shapes: Any,
+    shardings: Any,
+    read: Callable[..., np.ndarray] = _read,
+) -> Any:
+    """The params of the Llama model section `m` from `directory`, as jax.Arrays placed as
+    `shardings` says (a tree like `shapes`, the abstract params), in their dtype. Each
+    process reads only the slices its devices hold."""
+    import jax
+
+    scanned = bool(m.get("scan_layers", False))
+    by_path: dict[tuple[str | int, ...], list[names.HfTensor]] = {}
+    for t in names.hf_tensors(m):
+        path, _ = names.param_path(t, scanned)
+        by_path.setdefault(path, []).append(t)  # a scanned path's layers, in order
+    loaded: dict[Any, Any] = {}
+    with _opened(directory) as slice_of:
+        for path, tensors in by_path.items():
+            shape, sharding = _at(shapes, path), _at(shardings, path)
+            dtype = np.dtype(shape.dtype)
+
+            callback = functools.partial(read, slice_of, tensors, dtype)
+            array = jax.make_array_from_callback(shape.shape, sharding, callback, dtype=dtype)
+            node = loaded
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = array
+    return loaded
+
+
+def _at(tree: Mapping[Any, Any], path: tuple[str | int, ...]) -> Any:
+    node: Any = tree
+    for part in path:
+        node = node[part]
+    return node
+
+
+def _value(config: ml_collections.ConfigDict, key: str) -> object:
+    section, leaf = key.split(".", 1)
+    value = config[section].get(leaf)
+    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+
+
+def check_architecture(config: ml_collections.ConfigDict, directory: pathlib.Path) -> None:
+    """The config's model keys are config.json's (apply_init_from made them so): a config
+    built in a notebook without it is refused, not loaded into a model of another shape."""
+    keys = names.model_keys_from_hf_config(read_hf_config(directory), config.data.get("seq_len"))
+    differing = [
+        f"{key}={_value(config, key)!r}" for key, v in keys.items() if _value(config, key) != v
+    ]
+    if differing:
+        raise ConfigError(
+            f"model.init_from=hf:{directory}: the config's {', '.join(differing)} differ from "
+            "its config.json: call jaxkit.hf.load.apply_init_from(config) first"
+        )
+
+
+def initial_state(config: ml_collections.ConfigDict, setup: Setup) -> TrainState:
+    """The train state of a fresh run from model.init_from's weights: params cast to
+    model.param_dtype (bfloat16 to float32 is exact), a fresh optimizer state, micro-step 0,
+    each placed as setup.state_shardings says."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkit.optimizer import float32
+    from jaxkit.train_step import TrainState, abstract_state
+
+    directory = source_dir(config)
+    assert directory is not None
+    check_architecture(config, directory)
+    target = abstract_state(setup)
+    params = load_params(directory, config.model, target.params, setup.state_shardings.params)
+    init_opt: Callable[[Any], Any] = jax.jit(
+        lambda p: setup.tx.init(float32(p)), out_shardings=setup.state_shardings.opt_state
+    )
+    micro_step: jax.Array = jax.device_put(
+        jnp.zeros((), jnp.int32), setup.state_shardings.micro_step
+    )
+    return TrainState(params=params, opt_state=init_opt(params), micro_step=micro_step)

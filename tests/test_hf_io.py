@@ -1,0 +1,277 @@
+"""Hugging Face Llama weights in (model.init_from=hf:DIR) and out (`jaxkit export --hf`):
+small random HF directories written here with safetensors.numpy, nothing downloaded.
+
+The params a load gives are checked against names.from_hf (the whole tensors, in memory)
+cast by numpy, bit for bit: loading renames, transposes and casts, it computes nothing.
+"""
+
+import functools
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from cli_run import jaxkit
+
+from jaxkit.batch_schedule import plan_from_config
+from jaxkit.checkpoint import Checkpointer
+from jaxkit.config import ConfigError, apply_overrides, load_config
+from jaxkit.data import Position
+from jaxkit.hf import load as hf_load
+from jaxkit.hf import names
+from jaxkit.loop import train
+from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.train_step import build
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# A Llama with GQA (4 query heads on 2 key/value heads), every dimension divisible by the
+# fsdp=2 × tensor=2 mesh; the data's sizes shrink the step to milliseconds.
+SMALL = [
+    "model.vocab_size=256",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.mlp_dim=64",
+    "data.seq_len=16",
+    "data.max_bytes=60000",
+]
+
+
+def small_config(*overrides):
+    config = load_config("llama_tiny")
+    apply_overrides(config, [*SMALL, *overrides])
+    return config
+
+
+def write_hf(directory, m, dtype=BF16, files=1, seed=0):
+    """A random HF Llama directory for the model section `m`: config.json and its tensors in
+    `files` safetensors files (with model.safetensors.index.json when more than one)."""
+    rng = np.random.default_rng(seed)
+    tensors = {
+        t.name: rng.normal(0, 0.02, t.shape).astype(np.float32).astype(dtype)
+        for t in names.hf_tensors(m)
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = names.hf_config_from_model(m, torch_dtype=str(dtype))
+    (directory / "config.json").write_text(json.dumps(cfg))
+    if files == 1:
+        safetensors.numpy.save_file(tensors, directory / "model.safetensors")
+        return tensors
+    order = list(tensors)
+    weight_map = {}
+    for i in range(files):
+        file = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        part = {name: tensors[name] for name in order[i::files]}
+        safetensors.numpy.save_file(part, directory / file)
+        weight_map |= dict.fromkeys(part, file)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return tensors
+
+
+def paths_and_leaves(tree):
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def loaded_state(config, mesh_axes):
+    mesh = make_mesh(mesh_axes)
+    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    return setup, hf_load.initial_state(config, setup)
+
+
+@pytest.mark.parametrize(("scan", "files"), [(False, 1), (True, 3)])
+def test_a_load_gives_from_hf_params_bitwise_on_a_sharded_mesh(tmp_path, scan, files):
+    source = small_config(f"model.scan_layers={scan}")
+    tensors = write_hf(tmp_path / "hf", source.model, files=files)
+    config = small_config(f"model.init_from=hf:{tmp_path / 'hf'}", f"model.scan_layers={scan}")
+    hf_load.apply_init_from(config)
+    setup, state = loaded_state(config, {"data": 2, "fsdp": 2, "tensor": 2})
+    # bfloat16 → float32 is exact: numpy's cast of the whole tensors is the reference.
+    expected = jax.tree.map(lambda x: x.astype(np.float32), names.from_hf(tensors, config.model))
+    got, want = paths_and_leaves(state.params), paths_and_leaves(expected)
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        assert a.dtype == np.float32 and a.shape == b.shape, path
+        np.testing.assert_array_equal(np.asarray(a), b, err_msg=path)
+    for (path, a), (_, s) in zip(got, paths_and_leaves(setup.state_shardings.params), strict=True):
+        assert a.sharding == s, path  # born in the state's layout, fsdp and tensor sharded
+    # The optimizer starts fresh: no step taken, zero moments and accumulator.
+    assert int(state.step) == 0 and int(state.micro_step) == 0
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(state.opt_state.acc_grads))
+
+
+def test_each_device_reads_only_its_own_slice(tmp_path, monkeypatch):
+    source = small_config()
+    tensors = write_hf(tmp_path / "hf", source.model)
+    config = small_config(f"model.init_from=hf:{tmp_path / 'hf'}")
+    hf_load.apply_init_from(config)
+    returned: dict[str, list[int]] = {}  # bytes each get_slice(name)[index] gave back
+    opened = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            part = self.inner.get_slice(name)
+
+            class Slice:
+                def get_shape(self):
+                    return part.get_shape()
+
+                def get_dtype(self):
+                    return part.get_dtype()
+
+                def __getitem__(self, index):
+                    value = part[index]
+                    returned.setdefault(name, []).append(value.nbytes)
+                    return value
+
+            return Slice()
+
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: Recording(opened(*a, **k)))
+    loaded_state(config, {"data": 1, "fsdp": 8, "tensor": 1})
+    assert set(returned) == set(tensors)
+    for name, reads in returned.items():
+        whole = tensors[name].nbytes
+        if tensors[name].ndim == 1:  # norm scales are replicated: read once, whole
+            assert reads == [whole], name
+        else:  # each of the 8 devices read its eighth, and nothing else was read
+            assert reads == [whole // 8] * 8, name
+
+
+def run_cli(*args):
+    done = jaxkit(*args)
+    return done.returncode, done.stdout, done.stderr.splitlines()
+
+
+def refused(*args, says):
+    code, _, err = run_cli(*args)
+    assert code == 2 and len(err) == 1 and err[0].startswith("jaxkit: error: "), (code, err)
+    for fragment in says:
+        assert fragment in err[0], (fragment, err[0])
+
+
+def test_refusals_are_one_line_exit_2_before_any_work(tmp_path):
+    m = small_config().model
+    write_hf(tmp_path / "good", m)
+    plan = ["plan", "llama_tiny", *SMALL]
+    good = f"model.init_from=hf:{tmp_path / 'good'}"
+    refused(*plan, good, "model.num_layers=3", says=["model.num_layers=3", "config.json: 2"])
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    refused(*plan, f"model.init_from=hf:{pickled}", says=["pickled", "pytorch_model.bin"])
+    biased = tmp_path / "biased"
+    write_hf(biased, m)
+    cfg = json.loads((biased / "config.json").read_text())
+    (biased / "config.json").write_text(json.dumps(cfg | {"attention_bias": True}))
+    refused(*plan, f"model.init_from=hf:{biased}", says=["attention_bias"])
+    refused(*plan, f"model.init_from=hf:{tmp_path / 'none'}", says=["no such directory"])
+    refused(*plan, "model.init_from=gs://x", says=["model.init_from", "hf:DIR"])
+
+
+def test_the_architecture_replaces_the_config_files_and_may_be_repeated(tmp_path):
+    m = small_config("model.tie_embeddings=true", "model.rope_theta=500000").model
+    write_hf(tmp_path / "hf", m)
+    config = load_config("llama_tiny")  # d_model 128, untied, theta 1e4
+    given = [f"model.init_from=hf:{tmp_path / 'hf'}", "model.num_layers=2"]  # as config.json
+    apply_overrides(config, given)
+    hf_load.apply_init_from(config, given)
+    assert (config.model.d_model, config.model.num_layers) == (32, 2)
+    assert (config.model.tie_embeddings, config.model.rope_theta) == (True, 500000.0)
+    extra = tmp_path / "hf" / "extra.safetensors"  # a tensor a plain Llama has no place for
+    safetensors.numpy.save_file({"model.layers.0.self_attn.q_proj.bias": np.zeros(4)}, extra)
+    with pytest.raises(ConfigError, match=r"q_proj\.bias' has no place"):
+        hf_load.apply_init_from(config)
+
+
+def test_a_resume_reads_the_checkpoint_not_init_from(tmp_path):
+    write_hf(tmp_path / "hf", small_config().model)
+    config = small_config(
+        f"model.init_from=hf:{tmp_path / 'hf'}",
+        "train.steps=2",
+        "checkpoint.every=1",
+        "batch.global_batch_size=8",  # one micro-step per optimizer step
+        "batch.per_device_batch_size=1",
+        "train.eval_examples=8",
+    )
+    hf_load.apply_init_from(config)
+    lines = []
+    run = functools.partial(train, config, tmp_path / "run")
+    run(progress=False, echo=lines.append, stop_after_micro_steps=1)
+    assert any(line.startswith(f"params from hf:{tmp_path / 'hf'}") for line in lines)
+    os.remove(tmp_path / "hf" / "model.safetensors")  # a read would fail now
+    lines.clear()
+    resumed = run(progress=False, echo=lines.append)
+    assert int(resumed.state.step) == 2
+    (said,) = [line for line in lines if "init_from" in line]
+    assert said.startswith("model.init_from=hf:") and "is not read" in said
+
+
+def save_untouched(config, workdir, tokenizer=None):
+    """A checkpoint at step 0 of params as loaded, as a run's would be, and its record."""
+    _, state = loaded_state(config, {"data": 2, "fsdp": 2, "tensor": 2})
+    meta = {"config": config.to_dict(), "loop": {"step": 0, "micro": 0, "examples_seen": 0}}
+    if tokenizer is not None:
+        meta["data"] = {"fingerprint": {"tokenizer": str(tokenizer)}}
+    checkpointer = Checkpointer(workdir / "checkpoints", keep=1, warn=print)
+    checkpointer.save(Position(), state, meta, wait=True)
+    checkpointer.close()
+
+
+@pytest.mark.parametrize(("dtype", "tied"), [(BF16, False), (np.dtype(np.float32), True)])
+def test_export_gives_the_source_back_bitwise(tmp_path, dtype, tied):
+    source = small_config(f"model.tie_embeddings={str(tied).lower()}", "model.scan_layers=true")
+    tensors = write_hf(tmp_path / "hf", source.model, dtype=dtype)
+    (tmp_path / "tok").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "tok" / name).write_text(json.dumps({"name": name}))
+    config = small_config(f"model.init_from=hf:{tmp_path / 'hf'}", "model.scan_layers=true")
+    hf_load.apply_init_from(config)
+    save_untouched(config, tmp_path / "run", tokenizer=tmp_path / "tok" / "tokenizer.json")
+    out = tmp_path / "out"
+    code, printed, err = run_cli(
+        "export", str(tmp_path / "run"), "--hf", str(out), "--dtype", str(dtype)
+    )
+    assert code == 0, err
+    assert f"wrote {out}: step 0" in printed
+    with safetensors.safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+        written = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    assert sorted(written) == sorted(tensors)
+    assert ("lm_head.weight" in written) is not tied  # a tied head is the table
+    for name, value in tensors.items():
+        assert written[name].dtype == dtype, name
+        assert written[name].tobytes() == value.tobytes(), name  # bit for bit
+    source_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    out_cfg = json.loads((out / "config.json").read_text())
+    assert names.model_keys_from_hf_config(out_cfg) == names.model_keys_from_hf_config(source_cfg)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_text() == (tmp_path / "tok" / name).read_text()
+    # Not over a directory already there, nor from a step the run has no checkpoint of.
+    refused("export", str(tmp_path / "run"), "--hf", str(out), says=["--hf", "not an empty"])
+    refused(
+        "export",
+        str(tmp_path / "run"),
+        "--hf",
+        str(tmp_path / "o2"),
+        "--step",
+        "5",
+        says=["--step 5", "steps 0"],
+    )
