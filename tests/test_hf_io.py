@@ -16,6 +16,7 @@ import pytest
 import safetensors
 import safetensors.numpy
 from cli_run import jaxkit
+from token_dirs import prompt_completion_docs, write_prepared
 
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import Checkpointer
@@ -275,3 +276,55 @@ def test_export_gives_the_source_back_bitwise(tmp_path, dtype, tied):
         "5",
         says=["--step 5", "steps 0"],
     )
+
+
+# SmolLM2-135M's config.json with the sizes cut down: the same keys, grouping (3 query heads
+# per key/value head), tied head, rope base and epsilon.
+SMOLLM2_SHAPED = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": 48,
+    "intermediate_size": 128,
+    "num_attention_heads": 3,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 512,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000,
+    "rope_scaling": None,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_the_smollm2_config_takes_its_architecture_and_plans(tmp_path):
+    directory = tmp_path / "SmolLM2-135M"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(SMOLLM2_SHAPED))
+    keys = names.model_keys_from_hf_config(SMOLLM2_SHAPED)
+    config = load_config("smollm2_sft")
+    for key, value in keys.items():
+        config.model[key.split(".", 1)[1]] = value
+    tensors = {t.name: np.zeros(t.shape, BF16) for t in names.hf_tensors(config.model)}
+    safetensors.numpy.save_file(tensors, directory / "model.safetensors")
+    docs = prompt_completion_docs(64, seed=0)  # byte ids: inside SmolLM2's vocabulary too
+    write_prepared(tmp_path / "data", {"train": docs, "eval": docs[:8]}, vocab_size=512)
+    code, out, err = run_cli(
+        "plan",
+        "smollm2_sft",
+        f"model.init_from=hf:{directory}",
+        f"data.path={tmp_path / 'data'}",
+        "--json",
+    )
+    assert code == 0, err
+    plan = json.loads(out)
+    assert (plan["global_batch_size"], plan["tokens_per_step"]) == (32, 32 * 256)
+    # The params config.json implies, none of the config file's: 512 × 48 tied, 2 blocks.
+    d, f, k = 48, 128, 16
+    block = 2 * d * 3 * k + 2 * d * k + 3 * d * f + 2 * d  # q, o; k, v; the MLP; 2 norms
+    assert plan["model"]["kind"] == "llama"
+    assert plan["model"]["param_count"] == 512 * d + 2 * block + d
