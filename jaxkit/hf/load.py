@@ -142,18 +142,26 @@ def _expected(m: ml_collections.ConfigDict) -> dict[str, names.HfTensor]:
 
 
 @contextlib.contextmanager
-def _opened(directory: pathlib.Path) -> Iterator[Callable[[str], Any]]:
+def _opened(
+    directory: pathlib.Path, files: Mapping[str, pathlib.Path] | None = None
+) -> Iterator[Callable[[str], Any]]:
     """A function from a tensor's name to its safetensors slice (memory-mapped: reading a
-    slice reads its bytes only), each file opened once."""
+    slice reads its bytes only), each file opened once, when first asked for, and closed on
+    leaving: the pages read stay mapped (and count in the process's resident memory) only
+    while it is open."""
     from safetensors import safe_open
 
-    files = weight_files(directory)
+    files = weight_files(directory) if files is None else files
     with contextlib.ExitStack() as stack:
-        handles = {
-            path: stack.enter_context(safe_open(str(path), framework="numpy"))
-            for path in sorted(set(files.values()))
-        }
-        yield lambda name: handles[files[name]].get_slice(name)
+        handles: dict[pathlib.Path, Any] = {}
+
+        def slice_of(name: str) -> Any:
+            path = files[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), framework="numpy"))
+            return handles[path].get_slice(name)
+
+        yield slice_of
 
 
 def check_weights(directory: pathlib.Path, m: ml_collections.ConfigDict) -> None:
@@ -239,17 +247,19 @@ def load_params(
         path, _ = names.param_path(t, scanned)
         by_path.setdefault(path, []).append(t)  # a scanned path's layers, in order
     loaded: dict[Any, Any] = {}
-    with _opened(directory) as slice_of:
-        for path, tensors in by_path.items():
-            shape, sharding = _at(shapes, path), _at(shardings, path)
-            dtype = np.dtype(shape.dtype)
-
+    files = weight_files(directory)
+    for path, tensors in by_path.items():
+        shape, sharding = _at(shapes, path), _at(shardings, path)
+        dtype = np.dtype(shape.dtype)
+        # One param at a time, its files closed after it: what this process mapped and
+        # copied of the weights is one param's slices at most, never the model.
+        with _opened(directory, files) as slice_of:
             callback = functools.partial(read, slice_of, tensors, dtype)
             array = jax.make_array_from_callback(shape.shape, sharding, callback, dtype=dtype)
-            node = loaded
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            node[path[-1]] = array
+        node = loaded
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = array
     return loaded
 
 
