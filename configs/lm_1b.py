@@ -29,6 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.mlp_dim = 5632
     c.model.tie_embeddings = False
     c.model.remat = "full"  # only each block's input is kept for the backward pass
+    c.model.loss_chunk_tokens = 256  # the loss holds 256 positions' logits at a time (0: all)
     c.model.scan_layers = True
     c.data.seq_len = 2048
     c.mesh.data, c.mesh.fsdp = 1, -1  # params and optimizer state sharded over every chip

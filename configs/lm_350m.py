@@ -24,6 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.num_kv_heads = 16
     c.model.mlp_dim = 2816  # ≈ 8/3 × d_model, a multiple of 128
     c.model.remat = "dots"  # keeps matmul outputs, recomputes the elementwise work
+    c.model.loss_chunk_tokens = 256  # the loss holds 256 positions' logits at a time (0: all)
     c.model.scan_layers = True  # 24 layers compile as one
     c.optimizer.learning_rate = 3e-4
     c.batch.per_device_batch_size = 8

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxkit.models import logits_of, weighted_loss
+from jaxkit.models import model_loss
 from jaxkit.optimizer import Hyper, float32, make_optimizer
 
 
@@ -56,7 +56,7 @@ def fused_train_step(
 
         def micro(grad_sum: Any, mb: dict[str, jax.Array]) -> tuple[Any, tuple]:
             def loss_fn(p: Any) -> jax.Array:
-                return weighted_loss(logits_of(nnx.merge(graphdef, p), mb), mb)
+                return model_loss(nnx.merge(graphdef, p), mb)
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             grads = float32(grads)

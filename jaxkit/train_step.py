@@ -25,13 +25,7 @@ from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import Accumulation, BatchPlan
 from jaxkit.batch_schedule import BatchSchedule, fixed_schedule
 from jaxkit.fused_step import fused_train_step
-from jaxkit.models import (
-    build_model,
-    check_mesh_divides,
-    logits_of,
-    token_cross_entropy,
-    weighted_loss,
-)
+from jaxkit.models import build_model, check_mesh_divides, eval_sums, model_loss
 from jaxkit.optimizer import Hyper, applied_grad_norm, float32, hyper_for, make_optimizer
 
 
@@ -221,7 +215,7 @@ def train_step(
     """
 
     def loss_fn(params: Any) -> jax.Array:
-        return weighted_loss(logits_of(nnx.merge(graphdef, params), batch), batch)
+        return model_loss(nnx.merge(graphdef, params), batch)
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     grads = float32(grads)
@@ -248,7 +242,7 @@ def small_batch_grad_sq(
     of the noise scale's small-batch gradient (noise_scale.py, data.load_small_batch)."""
 
     def loss_fn(p: Any) -> jax.Array:
-        return weighted_loss(logits_of(nnx.merge(graphdef, p), rows), rows)
+        return model_loss(nnx.merge(graphdef, p), rows)
 
     return optax.tree.norm(float32(jax.grad(loss_fn)(params))) ** 2
 
@@ -258,8 +252,4 @@ def eval_step(
 ) -> dict[str, jax.Array]:
     """Σ weight × loss and Σ weight × hit over the batch's targets (padding rows weigh 0),
     and Σ weight: the caller divides once at the end, as a training step's loss does."""
-    logits = logits_of(nnx.merge(graphdef, params), batch)
-    loss = token_cross_entropy(logits, batch["targets"])
-    hits = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
-    w = batch["weights"]
-    return {"loss_sum": jnp.sum(w * loss), "accuracy_sum": jnp.sum(w * hits), "weight": jnp.sum(w)}
+    return eval_sums(nnx.merge(graphdef, params), batch)

@@ -24,7 +24,14 @@ from jaxkit.models.common import CUSTOM_KIND, Params, Sizes, is_custom
 if TYPE_CHECKING:
     from flax import nnx
 
-    from jaxkit.models.loss import cross_entropy, logits_of, token_cross_entropy, weighted_loss
+    from jaxkit.models.loss import (
+        cross_entropy,
+        eval_sums,
+        logits_of,
+        model_loss,
+        token_cross_entropy,
+        weighted_loss,
+    )
     from jaxkit.models.mlp_net import MLPClassifier
     from jaxkit.models.transformer_net import TransformerLM
 
@@ -146,6 +153,8 @@ _LAZY = {
     "cross_entropy": "loss",
     "logits_of": "loss",
     "weighted_loss": "loss",
+    "model_loss": "loss",
+    "eval_sums": "loss",
 }
 
 
@@ -165,11 +174,13 @@ __all__ = [
     "check_mesh_divides",
     "contract",
     "cross_entropy",
+    "eval_sums",
     "is_custom",
     "is_lm",
     "kind_of",
     "kind_problem",
     "logits_of",
+    "model_loss",
     "sharded_sizes",
     "token_cross_entropy",
     "weighted_loss",

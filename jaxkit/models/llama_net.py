@@ -119,6 +119,8 @@ class LlamaLM(nnx.Module):
         param_dtype, self.dtype = layers.dtypes(m)
         self.remat, self.scan = layers.lm_option(m, "remat"), layers.lm_option(m, "scan_layers")
         self.tie_embeddings = m.tie_embeddings
+        self.loss_chunk_tokens = layers.lm_option(m, "loss_chunk_tokens")  # models/loss.py
+        self.head_name = "embed" if m.tie_embeddings else "head"
         self.embed = nnx.Embed(
             m.vocab_size,
             m.d_model,
@@ -158,6 +160,20 @@ class LlamaLM(nnx.Module):
         positions_BxL: jax.Array | None = None,
     ) -> jax.Array:
         """Logits; with segment ids and positions, as models.TransformerLM."""
+        return self.logits(self.head_input(tokens_BxL, segment_ids_BxL, positions_BxL))
+
+    def logits(self, h_BxLxD: jax.Array) -> jax.Array:
+        """The head (the embedding table where tied), on every position or on a chunk."""
+        logits_BxLxV = self.embed.attend(h_BxLxD) if self.tie_embeddings else self.head(h_BxLxD)
+        return constrain(logits_BxLxV, "batch", None, None)
+
+    def head_input(
+        self,
+        tokens_BxL: jax.Array,
+        segment_ids_BxL: jax.Array | None = None,
+        positions_BxL: jax.Array | None = None,
+    ) -> jax.Array:
+        """The final norm's output, which the head reads; arguments as for the logits."""
         # The table whole before the lookup, as in models.TransformerLM.
         table_VxD = constrain(self.embed.embedding[...], None, None)
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype)
@@ -166,9 +182,7 @@ class LlamaLM(nnx.Module):
         x_BxLxD = layers.run_blocks(
             self.blocks, x_BxLxD, self.remat, self.scan, mask, positions_BxL
         )
-        h_BxLxD = self.final_norm(x_BxLxD)
-        logits_BxLxV = self.embed.attend(h_BxLxD) if self.tie_embeddings else self.head(h_BxLxD)
-        return constrain(logits_BxLxV, "batch", None, None)
+        return self.final_norm(x_BxLxD)
 
 
 def parameter_count(m: ml_collections.ConfigDict) -> dict[str, int]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
-from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Key, boolean, one_of, show
+from jaxkit.keys import COUNT, POSITIVE, REQUIRED, ConfigError, Key, boolean, one_of, show
 from jaxkit.models.common import BYTES, EVAL_FRACTION
 
 if TYPE_CHECKING:
@@ -58,6 +58,19 @@ LM_OPTION_KEYS: tuple[Key, ...] = (
         one_of("none", "full", "dots"),
         "activation recompute per block: `none`, `dots` (matmul outputs kept) or `full`",
         added="none",
+        resumable=True,
+    ),
+    # The same loss and gradients but for the order of their sums (models/loss.py). 256:
+    # lm_125m's compiled step on v5e held 0.9 GiB less per chip at 8 rows with 128, 256 or
+    # 512 alike (benchmarks/chunked_loss.py), and rows of 256 or fewer (lm_tiny's 128) take
+    # the loss whole, as before.
+    Key(
+        "model.loss_chunk_tokens",
+        256,
+        COUNT,
+        "positions per row whose logits the loss holds at once (0: all); rows are cut into "
+        "the fewest equal chunks of at most this many, the last padded at weight 0",
+        added=0,
         resumable=True,
     ),
     Key(

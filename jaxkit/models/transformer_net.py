@@ -80,6 +80,8 @@ class TransformerLM(nnx.Module):
             raise ConfigError(f"model.d_model={d_model} is not divisible by num_heads={num_heads}")
         param_dtype, self.dtype = layers.dtypes(m)
         self.remat, self.scan = layers.lm_option(m, "remat"), layers.lm_option(m, "scan_layers")
+        self.loss_chunk_tokens = layers.lm_option(m, "loss_chunk_tokens")  # models/loss.py
+        self.head_name = "head"
         kw: dict[str, Any] = dict(dtype=self.dtype, param_dtype=param_dtype)
         embed_init = nnx.initializers.normal(stddev=0.02)
         self.embed = nnx.Embed(
@@ -111,6 +113,19 @@ class TransformerLM(nnx.Module):
     ) -> jax.Array:
         """Logits; with segment ids and positions (packed documents, data.document_mask),
         attention stays inside each document and positions restart at each."""
+        return self.logits(self.head_input(tokens_BxL, segment_ids_BxL, positions_BxL))
+
+    def logits(self, h_BxLxD: jax.Array) -> jax.Array:
+        """The head, on every position or on a chunk of them (models/loss.py)."""
+        return constrain(self.head(h_BxLxD), "batch", None, None)  # logits_BxLxV
+
+    def head_input(
+        self,
+        tokens_BxL: jax.Array,
+        segment_ids_BxL: jax.Array | None = None,
+        positions_BxL: jax.Array | None = None,
+    ) -> jax.Array:
+        """The final norm's output, which the head reads; arguments as for the logits."""
         L = tokens_BxL.shape[1]
         # The table whole before the lookup (FSDP gathers every param for its layer anyway):
         # a gather from a table sharded on d_model cannot make rows sharded by batch.
@@ -120,4 +135,4 @@ class TransformerLM(nnx.Module):
         x_BxLxD = constrain(x_BxLxD.astype(self.dtype), "batch", None, None)
         mask = layers.document_mask(segment_ids_BxL)
         x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan, mask)
-        return constrain(self.head(self.ln_final(x_BxLxD)), "batch", None, None)  # logits_BxLxV
+        return self.ln_final(x_BxLxD)
