@@ -388,6 +388,27 @@ def _suggest(key: str, keys: list[str]) -> str:
     return f" (did you mean {' or '.join(repr(k) for k in close)}?)" if close else ""
 
 
+def _optional_keys(config: ml_collections.ConfigDict) -> dict[str, Key]:
+    """The keys the config's model kind declares with a default (its options), by name."""
+    kind = config.get("model", {}).get("kind")
+    if not isinstance(kind, str) or kind_problem(kind):
+        return {}
+    keys = kind_of(kind).keys(flatten(config))
+    return {key.name: key for key in keys if key.default is not REQUIRED}
+
+
+def _add_field(config: ml_collections.ConfigDict, key: Key) -> None:
+    """Adds a declared key at its default (typed, where the default is null)."""
+    *parents, leaf = key.name.split(".")
+    node = config
+    for part in parents:
+        if part not in node:
+            node[part] = ml_collections.ConfigDict()
+        node = node[part]
+    kind = key.type or type(key.default)
+    node[leaf] = config_dict.placeholder(kind) if key.default is None else key.default
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
     """Applies `dotted.key=value` overrides in place, keeping each field's type."""
     keys = flat_keys(config)
@@ -400,6 +421,9 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
         key, text = item.split("=", 1)
         if key in RENAMED and key not in keys:
             raise ConfigError(f"{key} was replaced by {RENAMED[key]}")
+        if key not in keys and (optional := _optional_keys(config).get(key)) is not None:
+            _add_field(config, optional)  # declared for this kind; its config left it out
+            keys.append(key)
         if key not in keys:
             raise ConfigError(f"unknown config key {key!r}{_suggest(key, keys)}")
         *parents, leaf = key.split(".")

@@ -173,3 +173,25 @@ def test_a_run_saved_before_a_key_existed_ran_as_its_added_default():
         current[section][leaf] = added
         assert config_conflicts(saved, current) == [], name
     assert ADDED_DEFAULTS["model.remat"] == "none" and ADDED_DEFAULTS["data.rows"] == "windows"
+
+
+def test_an_option_the_kind_declares_can_be_set_where_the_config_file_leaves_it_out():
+    import ml_collections
+
+    def without_options():  # a config file that lists only llama's required keys
+        saved = load_config("llama_tiny").to_dict()
+        for leaf in ("loss_chunk_tokens", "head_dim", "remat"):
+            saved["model"].pop(leaf, None)
+        return ml_collections.ConfigDict(saved)
+
+    # Their declared defaults apply, and an override sets them, typed as declared.
+    config = without_options()
+    apply_overrides(config, ["model.loss_chunk_tokens=64", "model.head_dim=16"])
+    assert config.model.loss_chunk_tokens == 64 and config.model.head_dim == 16
+    apply_overrides(config, ["model.remat=full"])
+    assert config.model.remat == "full"
+    with pytest.raises(ConfigError, match="expected int"):
+        apply_overrides(without_options(), ["model.head_dim=wide"])
+    # A key another kind declares stays unknown here.
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.loss_chunk_tokens'"):
+        apply_overrides(load_config("mlp_digits"), ["model.loss_chunk_tokens=64"])
