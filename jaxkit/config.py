@@ -440,9 +440,11 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
             kind = node.get_type(leaf)
             if value is not None and not isinstance(value, dict):
                 raise ConfigError(f"{key}={text!r}: expected a JSON object {{...}} or null")
-            if kind not in (type(None), ml_collections.ConfigDict):
+            if kind not in (type(None), dict, ml_collections.ConfigDict):
                 raise ConfigError(f"{key}={text!r}: expected {kind.__name__}, got a JSON object")
-            node[leaf] = value
+            if value is not None:
+                del node[leaf]  # a field typed dict or null would not take a ConfigDict
+            node[leaf] = value  # a dict becomes a ConfigDict: its fields can be set one by one
             continue
         expected = node.get_type(leaf) if hasattr(node, "get_type") else type(current)
         if text.lower() == "none" and expected not in (str, type(None)):

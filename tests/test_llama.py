@@ -247,8 +247,12 @@ def test_the_checkpoint_keys_default_to_what_runs_before_them_ran_as():
     np.testing.assert_array_equal(new_model(tokens(current)), old_model(tokens(current)))
 
 
-def test_rope_scaling_is_set_on_the_command_line_as_json_and_back_to_null():
-    config = tiny(f"model.rope_scaling={json.dumps(LLAMA3)}")
+@pytest.mark.parametrize("in_file", [True, False])
+def test_rope_scaling_is_set_on_the_command_line_as_json_and_back_to_null(in_file):
+    config = tiny()
+    if not in_file:  # a config file that leaves it out: the kind declares it
+        del config.model["rope_scaling"]
+    apply_overrides(config, [f"model.rope_scaling={json.dumps(LLAMA3)}"])
     assert config.model.rope_scaling.to_dict() == LLAMA3
     apply_overrides(config, ["model.rope_scaling.factor=16.0"])
     assert config.model.rope_scaling.factor == 16.0
