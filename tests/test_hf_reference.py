@@ -21,7 +21,6 @@ epsilon at 1e-6 for 1e-5 moves the logits by 1.3e-3, the llama3 frequencies unsc
 0.038, a rotary base of 1e4 for 5e5 by 0.12.
 """
 
-import dataclasses
 import functools
 import json
 import pathlib
@@ -279,31 +278,10 @@ def test_the_torch_cases_test_what_they_are_named_for():
     assert "lm_head.weight" not in read(REFERENCE / "head_dim_12")
 
 
-def _starting_from(monkeypatch, params):
-    """Training starts from `params` instead of a random init: the loop's setup is built as
-    usual, its init then hands over these params, placed with the state's shardings (the
-    optimizer's fresh state does not depend on the params' values)."""
-    import jaxkit.loop
-
-    original = jaxkit.loop.build
-
-    def build(config, plan, mesh, schedule=None):
-        setup = original(config, plan, mesh, schedule)
-        fresh = setup.init
-
-        def init(key):
-            placed = jax.device_put(params, setup.state_shardings.params)
-            return dataclasses.replace(fresh(key), params=placed)
-
-        return dataclasses.replace(setup, init=init)
-
-    monkeypatch.setattr(jaxkit.loop, "build", build)
-
-
 def test_splits_and_exact_normalisation_hold_from_a_loaded_checkpoint(monkeypatch, tmp_path):
-    """test_normalisation's claim from HF weights: padded prompt/completion rows, two
-    devices × two micro-batches of 8 train what one device does on the whole weighted
-    global batch of 32, both starting from the loaded checkpoint."""
+    """test_normalisation's claim from HF weights: on padded prompt/completion rows, two
+    devices x two micro-batches of 8, started with model.init_from=hf:DIR, train what one
+    device does on the whole weighted global batch of 32 from the params from_hf reads."""
     import test_equivalence
     from test_equivalence import LOSS_RTOL, PARAM_ATOL, max_param_diff, reference_run
     from test_llama import TINY
@@ -316,16 +294,14 @@ def test_splits_and_exact_normalisation_hold_from_a_loaded_checkpoint(monkeypatc
     path = write_hf_dir(
         tmp_path / "hf", names.hf_config_from_model(config.model), random_tensors(config, seed=5)
     )
-    # The checkpoint's own config.json sets the model, as loading it would.
+    # The checkpoint's own config.json gives the model the runs train.
     loaded = jaxkit_config(json.loads((path / "config.json").read_text()))
     assert loaded.model.to_dict() == config.model.to_dict()
-    params = names.from_hf(read(path), config.model)
 
-    ref_losses, _, trajectory = reference_run(config, params)
+    ref_losses, _, trajectory = reference_run(config, names.from_hf(read(path), config.model))
     assert ref_losses[-1] < ref_losses[0]
-    _starting_from(monkeypatch, params)
-    runs = test_equivalence.run_splits("llama_tiny", [(2, 8, 2)], [*padded, "model.norm_eps=1e-5"])
-    losses, _, final = runs[2, 8, 2]
-    # The first step's loss is the checkpoint's own: it did start there.
+    overrides = [*padded, "model.norm_eps=1e-5", f"model.init_from=hf:{path}"]
+    losses, _, final = test_equivalence.run_splits("llama_tiny", [(2, 8, 2)], overrides)[2, 8, 2]
+    # The losses from the first step on: the run did start from the checkpoint.
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert max_param_diff(final, trajectory[-1]) < PARAM_ATOL
