@@ -35,5 +35,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "float32"  # CPUs gain nothing from bfloat16 matmuls
     c.model.remat = "none"
+    c.model.attention = "auto"  # auto | xla | cudnn | splash: the kernel (auto: per backend)
     c.model.scan_layers = False
     return c

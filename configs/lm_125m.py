@@ -42,6 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"  # stored params (the optimizer state is float32 anyway)
     c.model.compute_dtype = "bfloat16"  # matmuls; norms, softmax and the loss stay float32
     c.model.remat = "none"  # none | dots | full: recompute activations to save memory
+    c.model.attention = "auto"  # auto | xla | cudnn | splash: the kernel (auto: per backend)
     c.model.loss_chunk_tokens = 256  # the loss holds 256 positions' logits at a time (0: all)
     c.model.scan_layers = False  # true: one scanned block, compile time flat in depth
 

@@ -26,6 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"  # stored params: float32 | bfloat16
     c.model.compute_dtype = "float32"  # matmuls; CPUs gain nothing from bfloat16
     c.model.remat = "none"  # none | dots | full: recompute activations to save memory
+    c.model.attention = "auto"  # auto | xla | cudnn | splash: the kernel (auto: per backend)
     c.model.loss_chunk_tokens = 256  # logits held per chunk of positions: rows of 128 take it whole
     c.model.scan_layers = False  # true: one scanned block, compile time flat in depth
 

@@ -125,7 +125,7 @@ def run_blocks(
     blocks: nnx.Module, x: jax.Array, remat: str, scan: bool, *context: jax.Array | None
 ) -> jax.Array:
     """`x` through every block in order, rematerialised as `remat` says; `context` (the
-    attention mask and positions of packed documents, or None) goes to every block."""
+    segment ids and positions of packed documents, or None) goes to every block."""
 
     def apply(block: nnx.Module, x: jax.Array, *context: jax.Array | None) -> jax.Array:
         return block(x, *context)
@@ -142,11 +142,3 @@ def run_blocks(
         return apply(block, x, *context)
 
     return layer(blocks, x, *context)
-
-
-def document_mask(segment_ids_BxL: jax.Array | None) -> jax.Array | None:
-    """Attention allowed only within a document: (B, 1, L, L), True where the query's and
-    the key's segments agree (causality is applied on top); None without segments."""
-    if segment_ids_BxL is None:
-        return None
-    return (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]

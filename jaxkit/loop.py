@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 import ml_collections
 
+from jaxkit import attention
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit import peak as peak_lib
@@ -103,6 +104,9 @@ def train(
     profile = profiling(config, workdir)
     if jax.process_index() != 0:  # one voice: only process 0 prints and writes
         echo, progress = (lambda *args: None), False
+    # The attention kernel these devices run, for auto: the run's config, checkpoints and
+    # summary name the one that ran.
+    config = attention.with_kernel(config, devices or jax.devices(), echo)
     parts = _set_up(config, devices, echo)
     checkpointer, restored = _resume(config, workdir, parts, echo, allow_batch_change, allow_longer)
     # Compiled once, ahead of time (once per K in fused mode), after the resume's checks so
@@ -125,7 +129,7 @@ def train(
     # step, so that a later resume from one of them keeps them in the log.
     events = resume_events(restored, config, start.schedule, parts.shape) if restored else []
     run_dir = _open_run_dir(workdir, config, start, saved_events, events)
-    checkpoints = Checkpoints(checkpointer, config, parts.data_facts)
+    checkpoints = Checkpoints(checkpointer, config, parts.data_facts, start.hf_source)
     t = config.train
     pieces = [
         Log(t.log_every),

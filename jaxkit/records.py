@@ -363,6 +363,7 @@ def format_summary(s: dict) -> str:
             f"  params {s['param_count']:,} in {s['param_dtype']}, matmuls in "
             f"{s['compute_dtype']}, remat {s['remat']}, "
             + ("scanned layers" if s["scan_layers"] else "unrolled layers")
+            + (f", attention {s['attention']}" if "attention" in s else "")
         )
     if s["eval_loss"] is not None:
         if s.get("unigram_entropy"):  # 0 for a held-out split of one repeated byte

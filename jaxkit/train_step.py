@@ -21,6 +21,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxkit import attention
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import Accumulation, BatchPlan
 from jaxkit.batch_schedule import BatchSchedule, fixed_schedule
@@ -85,6 +86,7 @@ def build(
 ) -> Setup:
     """The state layout and the jitted init, train and eval steps for one mesh and plan
     (the first stage of `schedule`, which defaults to `plan` for the whole run)."""
+    config = attention.with_kernel(config, list(mesh.devices.flat))  # auto: the mesh's kernel
     schedule = schedule or fixed_schedule(config, plan)
     tx = make_optimizer(config, hyper_for(schedule, plan, 0))
     graphdef, abstract_params = _abstract_model(config)

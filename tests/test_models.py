@@ -130,7 +130,8 @@ def test_the_contract_describes_the_network_it_builds(kind):
     # Only the kinds that read the LM options report them.
     facts = contract.facts(config)
     assert bool(facts) == contract.READS_LM_OPTIONS
-    assert set(facts) <= {"param_dtype", "compute_dtype", "remat", "scan_layers"}
+    options = {"param_dtype", "compute_dtype", "remat", "scan_layers", "attention"}
+    assert set(facts) <= options | {"loss_chunk_tokens"}
 
 
 def test_the_networks_and_losses_keep_their_names_in_the_package():

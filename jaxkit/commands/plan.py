@@ -76,6 +76,8 @@ def model_line(m: dict[str, object]) -> str:
         line += (
             f" in {m['param_dtype']}, matmuls in {m['compute_dtype']}, remat {m['remat']}, {layout}"
         )
+        if "attention" in m:
+            line += f", attention {m['attention']}"
     per_device, every = (
         costs.format_flops(float(m[key]))  # type: ignore[arg-type]
         for key in ("model_flops_per_step", "model_flops_per_step_all_devices")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit import layers
+from jaxkit import attention, layers
 from jaxkit.mesh import RULES, constrain
 from jaxkit.models import llama_shape
 
@@ -67,6 +67,7 @@ class LlamaBlock(nnx.Module):
         K = llama_shape.head_dim(m)
         self.num_heads, self.num_kv_heads, self.rope_theta = H, G, float(m.rope_theta)
         self.head_dim, self.rope_scaling = K, llama_shape.rope_scaling(m)
+        self.attention = layers.lm_option(m, "attention")  # the kernel (jaxkit/attention.py)
         eps = llama_shape.norm_eps(m)
         init = nnx.initializers.normal(INIT_STDDEV)
         # Each block adds two outputs to the residual stream: scaled so its variance stays
@@ -86,7 +87,7 @@ class LlamaBlock(nnx.Module):
     def __call__(
         self,
         x_BxLxD: jax.Array,
-        mask_Bx1xLxL: jax.Array | None = None,
+        segment_ids_BxL: jax.Array | None = None,
         positions_BxL: jax.Array | None = None,
     ) -> jax.Array:
         B, L = x_BxLxD.shape[:2]
@@ -100,8 +101,8 @@ class LlamaBlock(nnx.Module):
             constrain(t, "batch", None, "heads", None) for t in (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
         )
         # Each group of H / G query heads shares one key/value head; softmax in float32.
-        a_BxLxHxK = jax.nn.dot_product_attention(
-            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, mask=mask_Bx1xLxL, is_causal=True
+        a_BxLxHxK = attention.attend(
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, self.attention
         )
         a_BxLxHxK = constrain(a_BxLxHxK, "batch", None, "heads", None)
         x_BxLxD = constrain(
@@ -178,9 +179,8 @@ class LlamaLM(nnx.Module):
         table_VxD = constrain(self.embed.embedding[...], None, None)
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(self.dtype)
         x_BxLxD = constrain(x_BxLxD, "batch", None, None)
-        mask = layers.document_mask(segment_ids_BxL)
         x_BxLxD = layers.run_blocks(
-            self.blocks, x_BxLxD, self.remat, self.scan, mask, positions_BxL
+            self.blocks, x_BxLxD, self.remat, self.scan, segment_ids_BxL, positions_BxL
         )
         return self.final_norm(x_BxLxD)
 

@@ -60,6 +60,17 @@ LM_OPTION_KEYS: tuple[Key, ...] = (
         added="none",
         resumable=True,
     ),
+    # The same attention by another kernel (jaxkit/attention.py); a run records the one that
+    # ran, and runs saved before the key ran xla.
+    Key(
+        "model.attention",
+        "auto",
+        one_of("auto", "xla", "cudnn", "splash"),
+        "attention kernel: `auto` (splash on TPU, cudnn on NVIDIA GPUs in bfloat16, else "
+        "xla), `xla`, `cudnn` or `splash`",
+        added="xla",
+        resumable=True,
+    ),
     # The same loss and gradients but for the order of their sums (models/loss.py). 256:
     # lm_125m's compiled step on v5e held 0.9 GiB less per chip at 8 rows with 128, 256 or
     # 512 alike (benchmarks/chunked_loss.py), and rows of 256 or fewer (lm_tiny's 128) take

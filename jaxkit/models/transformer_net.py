@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit import layers
+from jaxkit import attention, layers
 from jaxkit.keys import ConfigError
 from jaxkit.mesh import RULES, constrain
 
@@ -34,8 +34,9 @@ class Block(nnx.Module):
         rngs: nnx.Rngs,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
+        attention: str = "auto",  # the kernel (jaxkit/attention.py)
     ):
-        self.num_heads = num_heads
+        self.num_heads, self.attention = num_heads, attention
         kw: dict[str, Any] = dict(dtype=dtype, param_dtype=param_dtype)
         self.ln_attn = layers.layer_norm(d_model, rngs, **kw)
         self.query = _linear(d_model, d_model, "in_proj", "hidden_bias", rngs, **kw)
@@ -49,7 +50,7 @@ class Block(nnx.Module):
         self.mlp_out = _linear(mlp_dim, d_model, "out_proj", "vector", rngs, **kw)
 
     def __call__(
-        self, x_BxLxD: jax.Array, mask_Bx1xLxL: jax.Array | None = None, *_: jax.Array | None
+        self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None, *_: jax.Array | None
     ) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H = self.num_heads
@@ -58,8 +59,8 @@ class Block(nnx.Module):
             constrain(proj(h_BxLxD).reshape(B, L, H, D // H), "batch", None, "heads", None)
             for proj in (self.query, self.key, self.value)
         )
-        a_BxLxHxK = jax.nn.dot_product_attention(
-            q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, mask=mask_Bx1xLxL, is_causal=True
+        a_BxLxHxK = attention.attend(
+            q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, self.attention
         )
         a_BxLxHxK = constrain(a_BxLxHxK, "batch", None, "heads", None)
         x_BxLxD = constrain(
@@ -97,7 +98,14 @@ class TransformerLM(nnx.Module):
             )
         )
         self.blocks = layers.make_blocks(
-            lambda r: Block(d_model, num_heads, m.mlp_dim, rngs=r, **kw),
+            lambda r: Block(
+                d_model,
+                num_heads,
+                m.mlp_dim,
+                rngs=r,
+                attention=layers.lm_option(m, "attention"),
+                **kw,
+            ),
             m.num_layers,
             self.scan,
             rngs,
@@ -133,6 +141,5 @@ class TransformerLM(nnx.Module):
         pos_xLxD = self.pos_embed[:L] if positions_BxL is None else self.pos_embed[positions_BxL]
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0) + pos_xLxD
         x_BxLxD = constrain(x_BxLxD.astype(self.dtype), "batch", None, None)
-        mask = layers.document_mask(segment_ids_BxL)
-        x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan, mask)
+        x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan, segment_ids_BxL)
         return self.ln_final(x_BxLxD)
