@@ -90,8 +90,9 @@ def _split_args(args: list[str]) -> tuple[str, list[str]]:
     return DEFAULT_CONFIG, args
 
 
-def _load_config(args: list[str]) -> ml_collections.ConfigDict:
-    """CONFIG with its overrides applied and every value checked (before JAX starts)."""
+def _load_config(args: list[str], workdir: str | None = None) -> ml_collections.ConfigDict:
+    """CONFIG with its overrides applied and every value checked (before JAX starts).
+    `workdir`: train's, where a checkpoint there makes this a resume."""
     from jaxkit.config import apply_overrides, load_config
     from jaxkit.hf.load import apply_init_from
     from jaxkit.validate import validate
@@ -99,7 +100,8 @@ def _load_config(args: list[str]) -> ml_collections.ConfigDict:
     name, overrides = _split_args(args)
     config = load_config(name)
     apply_overrides(config, overrides)
-    apply_init_from(config, overrides)  # model.init_from=hf:DIR: its architecture
+    # model.init_from=hf:DIR: its architecture, or at a resume the checkpoint's
+    apply_init_from(config, overrides, workdir)
     validate(config)
     return config
 
@@ -191,7 +193,7 @@ def _main(argv: list[str] | None) -> int:
     from jaxkit.config import ConfigError
 
     try:
-        config = _load_config(opts.args)
+        config = _load_config(opts.args, getattr(opts, "workdir", None))
     except ConfigError as err:
         return error(err)
     target = getattr(opts, "target", None)

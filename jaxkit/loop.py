@@ -129,7 +129,7 @@ def train(
     # step, so that a later resume from one of them keeps them in the log.
     events = resume_events(restored, config, start.schedule, parts.shape) if restored else []
     run_dir = _open_run_dir(workdir, config, start, saved_events, events)
-    checkpoints = Checkpoints(checkpointer, config, parts.data_facts)
+    checkpoints = Checkpoints(checkpointer, config, parts.data_facts, start.hf_source)
     t = config.train
     pieces = [
         Log(t.log_every),

@@ -405,10 +405,16 @@ class Checkpoints(Piece):
     saved, but the loop still stops where a save would be."""
 
     def __init__(
-        self, checkpointer: Checkpointer | None, config: ml_collections.ConfigDict, data: dict
+        self,
+        checkpointer: Checkpointer | None,
+        config: ml_collections.ConfigDict,
+        data: dict,
+        hf_source: dict | None = None,
     ) -> None:
         self.checkpointer, self.every = checkpointer, config.checkpoint.every
         self.config, self.data = config_to_json(config), data
+        # A run from model.init_from: its source's config.json and dtypes, for an export.
+        self.hf_source = {"hf_source": hf_source} if hf_source is not None else {}
         self.at, self.saved = data_lib.Position(), False  # the last save asked for, done?
         self.kept_micro = 0  # micro-steps in a checkpoint of the same step found on disk
 
@@ -440,6 +446,7 @@ class Checkpoints(Piece):
         loop_state["events"] = [e for e in run.events if e["step"] == at.step]
         loop_state["batch_schedule"] = run.schedule.state(at.step, at.examples) | run.ramp.state()
         meta = {"config": self.config, "plan": plan.to_json(), "data": self.data}
+        meta |= self.hf_source
         self.saved = self.checkpointer.save(at, run.state, dict(meta, loop=loop_state), wait=wait)
         if not self.saved:
             self.kept_micro = int(self.checkpointer.read_meta(at.step)["loop"].get("micro", 0))

@@ -41,6 +41,9 @@ class Start:
     setup: Setup  # with that schedule
     ramp: AutoRamp  # an auto ramp's windows and decisions so far
     plan: BatchPlan  # in force at `position`
+    # A run from model.init_from: what an export needs of its source (hf/load.py's
+    # source_record), recorded at the fresh start and carried by every checkpoint.
+    hf_source: dict | None = None
 
 
 def starting_point(
@@ -55,19 +58,22 @@ def starting_point(
     """A fresh state at the schedule's first `plan`, or the checkpoint's: its schedule, auto
     ramp and tracker's loop state as recorded (the tracker is loaded here)."""
     schedule, position, ramp = setup.schedule, data_lib.Position(), AutoRamp()
+    hf_source = None
     if restored is not None:
         state, position = restored.state, restored.position
         schedule = saved_schedule(config, shape, restored.meta)
         setup = dataclasses.replace(setup, schedule=schedule)
         ramp = AutoRamp.load(restored.meta["loop"].get("batch_schedule"))
         tracker.load_loop_state(restored.meta["loop"], partial_step=position.micro > 0)
+        hf_source = restored.meta.get("hf_source")
         if hf_load.source_dir(config) is not None:
             echo(
                 f"model.init_from={config.model.init_from} is not read: the checkpoint at "
-                f"step {position.step} holds the params"
+                f"step {position.step} holds the params and the model's shape"
             )
-    elif hf_load.source_dir(config) is not None:
+    elif (directory := hf_load.source_dir(config)) is not None:
         state = hf_load.initial_state(config, setup)
+        hf_source = hf_load.source_record(directory, config.model)
         echo(f"params from {config.model.init_from}; the optimizer state starts fresh")
     else:
         state = setup.init(jax.random.key(config.train.seed))
@@ -78,7 +84,7 @@ def starting_point(
     if schedule.kind != "fixed":  # as laid from where this run starts
         echo(f"batch schedule ({schedule.kind}):")
         echo(schedule.table())
-    return Start(state, position, schedule, setup, ramp, plan)
+    return Start(state, position, schedule, setup, ramp, plan, hf_source)
 
 
 def saved_schedule(

@@ -7,7 +7,8 @@ cast by numpy, bit for bit: loading renames, transposes and casts, it computes n
 
 import functools
 import json
-import os
+import shutil
+import types
 
 import jax
 import ml_dtypes
@@ -26,6 +27,7 @@ from jaxkit.hf import load as hf_load
 from jaxkit.hf import names
 from jaxkit.loop import train
 from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.metrics import read_metrics
 from jaxkit.train_step import build
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -203,27 +205,121 @@ def test_the_architecture_replaces_the_config_files_and_may_be_repeated(tmp_path
         hf_load.apply_init_from(config)
 
 
-def test_a_resume_reads_the_checkpoint_not_init_from(tmp_path):
-    write_hf(tmp_path / "hf", small_config().model)
-    config = small_config(
-        f"model.init_from=hf:{tmp_path / 'hf'}",
+def source_config(m):
+    """config.json for the model section `m` as transformers writes one (Llama 3.2's
+    fields): besides what the kit reads, what it does not (token ids, the position table's
+    size, ...), which an export carries back. No head_dim (older files have none), an int
+    rope_theta and llama3 rope_scaling, as written."""
+    cfg = names.hf_config_from_model(m, torch_dtype="bfloat16")
+    del cfg["head_dim"]
+    return cfg | {
+        "bos_token_id": 1,
+        "eos_token_id": [2, 3],
+        "max_position_embeddings": 131072,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "transformers_version": "4.45.0",
+        "rope_theta": 500000,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A run from a bfloat16 HF directory stopped half-way through its first optimizer
+    step (K=2: its checkpoint at step 0 holds the params as loaded), an uninterrupted run
+    beside it, and then the directory deleted, as people delete multi-GB downloads."""
+    tmp = tmp_path_factory.mktemp("hf_run")
+    tensors = write_hf(tmp / "hf", small_config().model)
+    cfg = source_config(small_config().model)
+    (tmp / "hf" / "config.json").write_text(json.dumps(cfg))
+    args = [
+        *SMALL,
+        f"model.init_from=hf:{tmp / 'hf'}",
         "train.steps=2",
+        "train.log_every=1",
         "checkpoint.every=1",
-        "batch.global_batch_size=8",  # one micro-step per optimizer step
+        "batch.global_batch_size=16",  # 2 micro-steps of one row per device
         "batch.per_device_batch_size=1",
         "train.eval_examples=8",
-    )
+    ]
+    config = small_config(*args[len(SMALL) :])
     hf_load.apply_init_from(config)
-    lines = []
-    run = functools.partial(train, config, tmp_path / "run")
-    run(progress=False, echo=lines.append, stop_after_micro_steps=1)
-    assert any(line.startswith(f"params from hf:{tmp_path / 'hf'}") for line in lines)
-    os.remove(tmp_path / "hf" / "model.safetensors")  # a read would fail now
-    lines.clear()
-    resumed = run(progress=False, echo=lines.append)
-    assert int(resumed.state.step) == 2
-    (said,) = [line for line in lines if "init_from" in line]
+    quiet = functools.partial(train, config, progress=False, echo=lambda line: None)
+    quiet(tmp / "whole")
+    assert quiet(tmp / "stopped", stop_after_micro_steps=1).stopped
+    shutil.rmtree(tmp / "hf")
+    return types.SimpleNamespace(
+        args=args, tensors=tensors, cfg=cfg, whole=tmp / "whole", stopped=tmp / "stopped"
+    )
+
+
+def losses(workdir):
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(workdir) if "loss" in r]
+
+
+def test_a_resume_reads_the_checkpoint_not_init_from(stopped_run, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(stopped_run.stopped, workdir)
+    line = ["train", "llama_tiny", *stopped_run.args, "--workdir", str(workdir), "--no-progress"]
+    # The checkpoint's shape holds: an override that contradicts it is refused, as at
+    # any resume, and the run is left as it was.
+    code, _, err = run_cli(*line, "model.num_layers=3")
+    assert code == 2 and "  model.num_layers: 2 (saved) -> 3" in err, err
+    code, printed, err = run_cli(*line)
+    assert code == 0, err
+    (said,) = [line for line in printed.splitlines() if "init_from" in line]
     assert said.startswith("model.init_from=hf:") and "is not read" in said
+    # Resumed mid-step on the same devices: the numbers of the uninterrupted run, bit for
+    # bit (the accumulator was saved and continued, nothing recomputed otherwise).
+    assert losses(workdir) == losses(stopped_run.whole)
+    assert [s for s, _, _ in losses(workdir)] == [1, 2]
+
+
+def test_export_gives_the_source_back_without_its_directory(stopped_run, tmp_path):
+    from transformers import LlamaConfig
+
+    out = tmp_path / "out"
+    code, printed, err = run_cli("export", str(stopped_run.stopped), "--hf", str(out))
+    assert code == 0, err
+    assert "tensors in bfloat16, as hf:" in printed
+    written = read_safetensors(out / "model.safetensors")
+    assert sorted(written) == sorted(stopped_run.tensors)
+    for name, value in stopped_run.tensors.items():
+        # In the source's dtype by default, though the params were float32.
+        assert written[name].dtype == BF16, name
+        assert written[name].tobytes() == value.tobytes(), name
+    # The source's config.json whole: the fields the kit does not read (token ids, the
+    # position table, transformers_version: the format's, unchanged) and the ones it does,
+    # as written (an int rope_theta, no head_dim).
+    out_cfg = json.loads((out / "config.json").read_text())
+    assert out_cfg == stopped_run.cfg
+    hf = LlamaConfig.from_dict(out_cfg)
+    assert (hf.bos_token_id, hf.eos_token_id, hf.max_position_embeddings) == (1, [2, 3], 131072)
+    assert hf.rope_scaling["rope_type"] == "llama3" and hf.head_dim == 32 // 4
+    # --dtype still decides: float32 widens bfloat16 exactly, and config.json says so.
+    code, printed, err = run_cli(
+        "export", str(stopped_run.stopped), "--hf", str(tmp_path / "f32"), "--dtype", "float32"
+    )
+    assert code == 0, err
+    widened = read_safetensors(tmp_path / "f32" / "model.safetensors")
+    for name, value in stopped_run.tensors.items():
+        assert widened[name].dtype == np.float32, name
+        np.testing.assert_array_equal(widened[name], value.astype(np.float32), err_msg=name)
+    f32_cfg = json.loads((tmp_path / "f32" / "config.json").read_text())
+    assert f32_cfg == stopped_run.cfg | {"torch_dtype": "float32"}
+
+
+def read_safetensors(path):
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
 
 def save_untouched(config, workdir, tokenizer=None):

@@ -33,8 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     export.add_argument(
         "--dtype",
         choices=DTYPES,
-        help="the tensors' dtype (default: the run's model.param_dtype); bfloat16 rounds to "
-        "nearest, and gives a bfloat16 source back exactly",
+        help="the tensors' dtype (default: the dtype model.init_from's weights were stored "
+        "in, else the run's model.param_dtype); bfloat16 rounds to nearest, and gives a "
+        "bfloat16 source back exactly",
     )
     return export
 

@@ -4,12 +4,17 @@
 
 The params are restored from the checkpoint (checkpoint.restore_params) onto one CPU
 device, renamed and transposed to HF's layout (names.to_hf) and written in the asked
-dtype: a model loaded from bfloat16 weights into float32 params and exported untouched
-with --dtype bfloat16 gives the source's tensors back, bit for bit.
+dtype. A run started from model.init_from=hf:DIR recorded at its start what it needs of
+DIR (hf/load.py's source_record, in every checkpoint's record), so DIR need not be there:
+by default each tensor is written in the dtype the source stored it in, and config.json is
+the source's with only what the run's model keys change (names.carried_config). A model
+loaded from bfloat16 weights into float32 params and exported untouched gives the source
+back, bit for bit. Other runs write model.param_dtype and a config.json of their model keys.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pathlib
@@ -45,8 +50,9 @@ def export_hf(
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Writes the checkpoint of optimizer step `step` (default: the latest) of the run in
-    `workdir` to the new directory `out` as HF's Llama; `dtype` defaults to the run's
-    model.param_dtype. Returns the config.json written."""
+    `workdir` to the new directory `out` as HF's Llama; `dtype` defaults to the source's
+    (each tensor's, for a run from model.init_from) else the run's model.param_dtype.
+    Returns the config.json written."""
     checkpoints = as_path(workdir) / "checkpoints"
     steps = saved_steps(checkpoints)
     if not steps:
@@ -68,12 +74,22 @@ def export_hf(
             f"--hf writes Hugging Face Llama checkpoints: the run in {workdir} trained "
             f"model.kind={m.get('kind')!r}, not 'llama'"
         )
-    dtype = dtype or str(m.get("param_dtype", "float32"))
-    tensors = {name: t.astype(_dtype(dtype)) for name, t in names.to_hf(params, m).items()}
+    source = meta.get("hf_source")  # None: a run from random weights, or saved before
+    if dtype is None and source is not None:
+        other = source.get("other_dtypes") or {}
+        dtypes = {t.name: other.get(t.name, source["dtype"]) for t in names.hf_tensors(m)}
+    else:
+        dtype = dtype or str(m.get("param_dtype", "float32"))
+        dtypes = {t.name: dtype for t in names.hf_tensors(m)}
+    tensors = {name: t.astype(_dtype(dtypes[name])) for name, t in names.to_hf(params, m).items()}
     del params
-    cfg = names.hf_config_from_model(
-        m, torch_dtype=dtype, max_position_embeddings=max(2048, int(config.data.seq_len))
-    )
+    seq_len = int(config.data.seq_len)
+    if source is not None:
+        cfg = names.carried_config(source["config"], m, seq_len=seq_len, torch_dtype=dtype)
+    else:
+        cfg = names.hf_config_from_model(
+            m, torch_dtype=dtype, max_position_embeddings=max(2048, seq_len)
+        )
     target.mkdir(parents=True, exist_ok=True)
     from safetensors.numpy import save_file
 
@@ -82,10 +98,24 @@ def export_hf(
     (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     copied = _copy_tokenizer(meta, target, echo)
     echo(
-        f"wrote {target}: step {step}, {len(tensors)} tensors in {dtype}"
+        f"wrote {target}: step {step}, {len(tensors)} tensors in {_in_dtypes(dtypes, source)}"
         + (f", {copied}" if copied else "")
     )
     return cfg
+
+
+def _in_dtypes(dtypes: dict[str, str], source: dict | None) -> str:
+    """The dtypes written, e.g. `bfloat16 (2 in float32), as hf:DIR stored them`."""
+    counts = collections.Counter(dtypes.values()).most_common()
+    said = counts[0][0]
+    if len(counts) > 1:
+        said += " (" + ", ".join(f"{n} in {d}" for d, n in counts[1:]) + ")"
+    if source is not None and all(
+        d == (source.get("other_dtypes") or {}).get(name, source["dtype"])
+        for name, d in dtypes.items()
+    ):
+        said += f", as {source['init_from']} stored them"
+    return said
 
 
 def _copy_tokenizer(meta: dict, target: pathlib.Path, echo: Callable[[str], None]) -> str:

@@ -13,17 +13,20 @@ slice. The optimizer state starts fresh. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
+import os
 import pathlib
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ml_collections
 import numpy as np
 
-from jaxkit.config import ConfigError, parse_value
+from jaxkit.config import ADDED_DEFAULTS, ConfigError, parse_value
 from jaxkit.hf import names
 
 if TYPE_CHECKING:
@@ -36,6 +39,9 @@ INDEX_NAME = "model.safetensors.index.json"
 # Files of pickled weights (torch.save): loading one runs whatever code it holds.
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 FLOAT_DTYPES = ("F32", "BF16", "F16")
+_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# A checkpoint's directory under WORKDIR/checkpoints, as checkpoint.py numbers them.
+_CHECKPOINT_NAME = re.compile(r"(step_)?[0-9]+")
 _COMPARE_ROWS = 1024  # a tied head is compared with the table this many rows at a time
 
 
@@ -106,13 +112,26 @@ def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     return found
 
 
-def apply_init_from(config: ml_collections.ConfigDict, overrides: Sequence[str] = ()) -> None:
+def apply_init_from(
+    config: ml_collections.ConfigDict,
+    overrides: Sequence[str] = (),
+    workdir: str | os.PathLike[str] | None = None,
+) -> None:
     """Where model.init_from names a directory, its config.json's architecture replaces
     the config's model keys, in place. `overrides` (`key=value`, as given on the command
     line) may repeat a value of config.json, not contradict it. The weight files are checked
-    against that architecture here, before any work."""
+    against that architecture here, before any work.
+
+    Where `workdir` holds a checkpoint, the run resumes from it and the checkpoint wins: the
+    architecture is the one its record saved and the directory is not touched (it may have
+    been moved or deleted since the run started). An override is then left as given, for
+    the resume to hold it against the saved config as it holds any other."""
     directory = source_dir(config)
     if directory is None:
+        return
+    saved = saved_config(workdir) if workdir is not None else None
+    if saved is not None:
+        _take_saved_architecture(config, saved, overrides)
         return
     cfg = read_hf_config(directory)
     seq_len = config.get("data", {}).get("seq_len")
@@ -135,6 +154,68 @@ def apply_init_from(config: ml_collections.ConfigDict, overrides: Sequence[str] 
                 del config[section][leaf]  # its type may differ from the file's (an int theta)
             config[section][leaf] = value
     check_weights(directory, config.model)
+
+
+def saved_config(workdir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The config the newest readable checkpoint record in `workdir` saved, or None where
+    it holds none. Read as the JSON file orbax's JsonCheckpointHandler wrote
+    (checkpoints/step_N/meta/metadata; checkpoints/N/ in workdirs numbered by micro-step),
+    without orbax: this runs before JAX starts, and orbax would start it. A directory orbax
+    is still writing carries a suffix (step_N.orbax-checkpoint-tmp-...) and is skipped."""
+    from etils import epath
+
+    checkpoints = epath.Path(workdir) / "checkpoints"
+    try:
+        found = [p for p in checkpoints.iterdir() if _CHECKPOINT_NAME.fullmatch(p.name)]
+    except OSError:  # no checkpoints/ (a new workdir), or not readable here
+        return None
+    # Optimizer-step numbering first, newest first; then the older micro-step numbering.
+    found.sort(key=lambda p: (p.name.startswith("step_"), int(p.name.rsplit("_", 1)[-1])))
+    for path in reversed(found):
+        try:
+            meta = json.loads((path / "meta" / "metadata").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+            return dict(meta["config"])
+    return None
+
+
+def _take_saved_architecture(
+    config: ml_collections.ConfigDict, saved: Mapping[str, Any], overrides: Sequence[str]
+) -> None:
+    """The model keys config.json would set, as the checkpoint's saved config has them,
+    except those the command line gives (the resume compares those with the saved ones)."""
+    model = saved.get("model") or {}
+    if model.get("kind") != "llama":
+        return  # another model: the resume names every key that differs
+    given = {item.split("=", 1)[0] for item in overrides if "=" in item}
+    with config.unlocked() if config.is_locked else contextlib.nullcontext():
+        for key in names.MODEL_KEYS:
+            section, leaf = key.split(".", 1)
+            if key in given:
+                continue
+            # A run saved before a key existed ran with its default (its Key's `added`).
+            value = model[leaf] if leaf in model else ADDED_DEFAULTS.get(key)
+            if leaf in config[section]:
+                del config[section][leaf]  # its type may differ from the saved one's
+            config[section][leaf] = value
+
+
+def source_record(directory: pathlib.Path, m: ml_collections.ConfigDict) -> dict[str, Any]:
+    """What an export needs of the source, kept in the run's checkpoints so that the
+    directory may go: its config.json, and the dtype the tensors of the model section `m`
+    are stored in (`dtype`, most of them; `other_dtypes`, by name, any stored otherwise)."""
+    with _opened(directory) as slice_of:  # the headers only: no tensor is read
+        stored = {name: _DTYPE_NAMES[slice_of(name).get_dtype()] for name in _expected(m)}
+    counts = collections.Counter(stored.values())
+    dtype = counts.most_common(1)[0][0]
+    return {
+        "init_from": f"{PREFIX}{directory}",
+        "config": read_hf_config(directory),
+        "dtype": dtype,
+        "other_dtypes": {name: d for name, d in stored.items() if d != dtype},
+    }
 
 
 def _expected(m: ml_collections.ConfigDict) -> dict[str, names.HfTensor]:

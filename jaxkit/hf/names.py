@@ -206,6 +206,26 @@ def _rope_scaling(value: object) -> dict[str, float | int] | None:
     return {field: value[field] for field in llama.ROPE_SCALING_FIELDS}
 
 
+# The model keys config.json sets (model_keys_from_hf_config), each with the fields of
+# config.json that say it (hf_config_from_model writes them; head_dim's width follows from
+# d_model and the heads where model.head_dim is null).
+_HF_FIELDS: dict[str, tuple[str, ...]] = {
+    "model.kind": ("architectures", "model_type"),
+    "model.vocab_size": ("vocab_size",),
+    "model.d_model": ("hidden_size", "head_dim"),
+    "model.num_layers": ("num_hidden_layers",),
+    "model.num_heads": ("num_attention_heads", "head_dim"),
+    "model.num_kv_heads": ("num_key_value_heads",),
+    "model.mlp_dim": ("intermediate_size",),
+    "model.tie_embeddings": ("tie_word_embeddings",),
+    "model.rope_theta": ("rope_theta",),
+    "model.norm_eps": ("rms_norm_eps",),
+    "model.rope_scaling": ("rope_scaling",),
+    "model.head_dim": ("head_dim",),
+}
+MODEL_KEYS = tuple(_HF_FIELDS)
+
+
 def model_keys_from_hf_config(
     cfg: Mapping[str, Any], seq_len: int | None = None
 ) -> dict[str, object]:
@@ -290,3 +310,33 @@ def hf_config_from_model(
         "mlp_bias": False,
         "torch_dtype": torch_dtype or str(m.get("param_dtype", "float32")),
     }
+
+
+def _model_value(m: ml_collections.ConfigDict, key: str) -> object:
+    value = m.get(key.split(".", 1)[1])
+    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+
+
+def carried_config(
+    source: Mapping[str, Any],
+    m: ml_collections.ConfigDict,
+    *,
+    seq_len: int | None,
+    torch_dtype: str | None = None,
+) -> dict[str, Any]:
+    """config.json of the run's model where it started from `source` (that directory's
+    config.json): every field of `source` carried through (max_position_embeddings, the
+    bos/eos token ids, rope_scaling as written, ...), and only the fields of a model key
+    whose value the run does not share with `source` taken from `m`. `torch_dtype`, where
+    given, replaces the dtype `source` names (under "dtype", as transformers 4.56+ writes
+    it, or "torch_dtype")."""
+    ours = hf_config_from_model(m, torch_dtype=torch_dtype)
+    theirs = model_keys_from_hf_config(source, seq_len)
+    cfg = dict(source)
+    for key, fields in _HF_FIELDS.items():
+        if theirs[key] != _model_value(m, key):
+            cfg |= {field: ours[field] for field in fields}
+    if torch_dtype is not None:
+        named = [field for field in ("torch_dtype", "dtype") if field in source]
+        cfg |= dict.fromkeys(named or ["torch_dtype"], torch_dtype)
+    return cfg
