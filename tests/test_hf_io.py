@@ -257,7 +257,12 @@ def stopped_run(tmp_path_factory):
     assert quiet(tmp / "stopped", stop_after_micro_steps=1).stopped
     shutil.rmtree(tmp / "hf")
     return types.SimpleNamespace(
-        args=args, tensors=tensors, cfg=cfg, whole=tmp / "whole", stopped=tmp / "stopped"
+        args=args,
+        config=config,
+        tensors=tensors,
+        cfg=cfg,
+        whole=tmp / "whole",
+        stopped=tmp / "stopped",
     )
 
 
@@ -424,3 +429,25 @@ def test_the_smollm2_config_takes_its_architecture_and_plans(tmp_path):
     block = 2 * d * 3 * k + 2 * d * k + 3 * d * f + 2 * d  # q, o; k, v; the MLP; 2 norms
     assert plan["model"]["kind"] == "llama"
     assert plan["model"]["param_count"] == 512 * d + 2 * block + d
+
+
+def test_throughput_times_random_params_of_the_shape_without_the_directory(stopped_run, tmp_path):
+    """The experiments that compare training (equivalence, normalisation, batch size, noise
+    scale, batch ramp) train with the loop, which starts from model.init_from's params
+    (test_hf_reference.py's split check runs them so). Throughput's numbers cannot depend
+    on the params' values: its points train random params of the directory's shape, so a
+    sweep of many points does not load a large checkpoint for each."""
+    from jaxkit.experiments import throughput
+    from jaxkit.experiments.common import Report, train_unit
+
+    config = stopped_run.config  # its directory is deleted: a read would fail
+    remat = config.model.remat
+    point = throughput._unit_config(config, (1, 2, remat))  # the run's own plan, 8 x 1 x 2
+    timed = train_unit(point, jax.devices(), 1)
+    # The same rows at the same first step as the run from the loaded params, another loss.
+    first = [loss for step, loss, _ in losses(stopped_run.whole) if step == 1]
+    assert timed.records[0]["step"] == 1 and [timed.records[0]["loss"]] != first
+    sweep = throughput._Sweep(config, jax.devices(), {"data": 8}, 2, 1, remat)
+    report = Report(tmp_path / "report", "throughput")
+    throughput._render(sweep, report)
+    assert any("random params of the shape `hf:" in block for block in report.blocks)

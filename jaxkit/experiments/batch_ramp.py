@@ -31,6 +31,7 @@ from jaxkit.experiments.common import (
     drive,
     loss_figures,
     lr_scaling,
+    params_note,
     preamble,
 )
 from jaxkit.loop import train
@@ -142,8 +143,9 @@ def run(request: Request) -> pathlib.Path:
             f"K changes. Peak learning rate {base.learning_rate:g} at batch {small}, scaled "
             f"per stage by the `{rule}` rule; warmup and decay are laid over examples."
         )
-        for note in notes:
-            report.text(note)
+        for note in [params_note(config), *notes]:
+            if note:
+                report.text(note)
         if not runs:
             return
         first = next(iter(runs.values()))

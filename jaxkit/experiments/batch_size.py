@@ -24,6 +24,7 @@ from jaxkit.experiments.common import (
     drive,
     loss_figures,
     lr_scaling,
+    params_note,
     preamble,
     train_unit,
     unit_config,
@@ -94,6 +95,9 @@ def run(request: Request) -> pathlib.Path:
             f"{base.global_batch_size}); learning rate scaled from "
             f"{base.learning_rate:g} at {base.global_batch_size} by the `{rule}` rule."
         )
+        note = params_note(config)
+        if note:
+            report.text(note)
         if skipped:
             report.text("Left out (no exact plan on this mesh): " + "; ".join(skipped))
         if not runs:

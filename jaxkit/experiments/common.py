@@ -319,6 +319,32 @@ def preamble(request: Request, default_steps: int = 0, *, own_meshes: bool = Fal
     return Preamble(devices, shape, plan_from_config(config, shape), options.steps or default_steps)
 
 
+def params_note(config: ml_collections.ConfigDict, measures: str | None = None) -> str | None:
+    """Where a report's runs start, where model.init_from names a directory (None: random
+    params from train.seed, as every report says by default). `measures`: what the
+    experiment measures, where the params' values cannot change it (speed, memory): its
+    runs start from random params of the directory's shape (`random_params`)."""
+    source = config.model.get("init_from")
+    if source is None:
+        return None
+    if measures is None:
+        return f"Every run starts from the params of `{source}` (model.init_from)."
+    return (
+        f"The params' values do not change {measures}: the runs start from random params "
+        f"of the shape `{source}` gives (model.init_from), without reading its weights."
+    )
+
+
+def random_params(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`config` with model.init_from unset: the architecture it gave kept, the weights not
+    read (a multi-GB load per unit, for what the values do not change)."""
+    if config.model.get("init_from") is None:
+        return config
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.model.init_from = None
+    return c
+
+
 def lr_scaling(request: Request) -> str:
     """--lr-scaling, else the config's optimizer.lr_scaling: the rule a run's rate follows."""
     rule = request.options.lr_scaling or request.config.optimizer.lr_scaling

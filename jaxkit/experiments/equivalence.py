@@ -22,6 +22,7 @@ from jaxkit.experiments.common import (
     check_splits,
     drive,
     new_figure,
+    params_note,
     parse_splits,
     preamble,
     split_mesh,
@@ -76,6 +77,9 @@ def run(request: Request) -> pathlib.Path:
             )
             + "."
         )
+        note = params_note(config)
+        if note:
+            report.text(note)
         if not results:
             return
         ref_split = next(iter(results))

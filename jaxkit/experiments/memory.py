@@ -21,7 +21,15 @@ from jaxkit import costs, rss
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import Accumulation
 from jaxkit.batch_schedule import plan_from_config
-from jaxkit.experiments.common import Report, Request, drive, new_figure, powers_of_two, preamble
+from jaxkit.experiments.common import (
+    Report,
+    Request,
+    drive,
+    new_figure,
+    params_note,
+    powers_of_two,
+    preamble,
+)
 from jaxkit.train_step import abstract_state, build
 from jaxkit.viz import bytes_per_device
 
@@ -141,6 +149,9 @@ def _render(sweep: _Sweep, report: Report) -> None:
         "per-device memory = argument + output − alias + temp bytes of the train step "
         "(`memory_analysis()`; nothing executed)."
     )
+    note = params_note(sweep.config, "the memory a step needs")
+    if note:
+        report.text(note)
     if sweep.refused:
         report.text(
             "The compiler refused these (out of memory on the device): "

@@ -19,6 +19,7 @@ from jaxkit.experiments.common import (
     check_units,
     drive,
     new_figure,
+    params_note,
     preamble,
     train_unit,
     unit_config,
@@ -55,6 +56,9 @@ def run(request: Request) -> pathlib.Path:
             f"big batch: the {plan.global_batch_size}-row accumulated gradient. Estimates "
             f"smoothed with decay {config.train.noise_scale_decay}."
         )
+        note = params_note(config)
+        if note:
+            report.text(note)
         if "records" not in found:
             return
         records: list[dict] = found["records"]

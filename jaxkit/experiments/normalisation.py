@@ -37,6 +37,7 @@ from jaxkit.experiments.common import (
     check_global_batch,
     check_splits,
     drive,
+    params_note,
     parse_splits,
     preamble,
     split_mesh,
@@ -357,6 +358,9 @@ def _render(runs: _Runs, report: Report) -> None:
         f"the same held-out rows, compares every run on one objective. Here "
         f"{_weights_phrase(runs.weights)}. Reference: the exact run of {runs.reference.name}."
     )
+    note = params_note(runs.config)
+    if note:
+        report.text(note)
     if not runs.losses:
         return
     numbers = _numbers(runs)

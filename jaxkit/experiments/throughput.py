@@ -28,8 +28,10 @@ from jaxkit.experiments.common import (
     Request,
     check_units,
     drive,
+    params_note,
     powers_of_two,
     preamble,
+    random_params,
     train_unit,
     unit_config,
 )
@@ -87,8 +89,10 @@ def _plan(request: Request) -> tuple[_Sweep, list[Unit]]:
 
 
 def _unit_config(config: ml_collections.ConfigDict, unit: Unit) -> ml_collections.ConfigDict:
+    """A point's config. Speed does not depend on the params' values, so a run from
+    model.init_from measures random params of its shape: the weights are not read."""
     b, k, remat = unit
-    return split_config(with_remat(config, remat), b, k)
+    return split_config(with_remat(random_params(config), remat), b, k)
 
 
 def _label(unit: Unit) -> str:
@@ -113,6 +117,9 @@ def _render(sweep: _Sweep, report: Report) -> None:
         "architecture's FLOPs per step / step time), HFU the compiled matmuls' "
         "(recomputation included), each over the device's peak."
     )
+    note = params_note(sweep.config, "speed")
+    if note:
+        report.text(note)
     if not rows:
         return
     header = (

@@ -4,11 +4,14 @@
 Two moments. Before validation (before JAX starts), `apply_init_from` reads config.json:
 its architecture replaces the config file's model keys, a command-line override that
 contradicts it is refused, and the weight files' headers are checked (every tensor there,
-with its shape; nothing the model would not read; never a pickle). At a fresh start,
+with its shape; nothing the model would not read; never a pickle). At a resume the
+checkpoint's saved config gives the architecture instead, and the directory is not read
+at all (`saved_config`). At a fresh start,
 `initial_state` reads the weights: each process reads, from memory-mapped safetensors,
 only the slices its own devices hold (`jax.make_array_from_callback` with the train
 state's shardings), so beyond the devices' buffers host memory stays near one tensor's
-slice. The optimizer state starts fresh. Nothing is ever downloaded.
+slice. The optimizer state starts fresh, and the run records what an export needs of the
+directory (`source_record`) in its checkpoints. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
