@@ -26,12 +26,17 @@ and the planner's recommended split against the measured best.
    that fits is timed for --split-steps optimizer steps (K micro-steps each, after one
    warm-up step): the recommended split's tokens/s against the measured best.
 
+--attention sets model.attention (jaxkit/attention.py); the default, auto, runs cuDNN's flash
+attention on an NVIDIA GPU in bfloat16 and xla elsewhere. Both loops build the model from the
+resolved config, so they run the same kernel; run once per kernel to compare them (cudnn is
+checked only here, on a GPU: the tests have none).
+
 --small shrinks everything for a machine without a GPU (d_model 128, 2 layers, 4 heads,
 MLP 384, seq 128, vocabulary 256, per-device batch 4, and global batch 32 for --splits):
 it proves the script runs; its timings mean little.
 
 Run: python benchmarks/gpu_lm125m.py [--config lm_125m] [--per-device-batch 16]
-     [--remat none|dots|full] [--steps 20] [--warmup 3] [--repeats 3]
+     [--remat none|dots|full] [--attention auto|xla|cudnn] [--steps 20] [--warmup 3] [--repeats 3]
      [--splits [--split-remat none,dots,full] [--split-batches 4,8,16] [--split-steps 3]
       [--global-batch N] [--memory-budget 70GiB]] [--small]
      e.g. python benchmarks/gpu_lm125m.py --config lm_350m --remat dots --splits
@@ -55,6 +60,12 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--config", default="lm_125m")
 parser.add_argument("--per-device-batch", type=int, default=None, help="default 16 (4 --small)")
 parser.add_argument("--remat", default=None, help="model.remat; default the config's")
+parser.add_argument(
+    "--attention",
+    default=None,
+    help="model.attention: auto, xla, cudnn (an NVIDIA GPU in bfloat16) or splash (a TPU); "
+    "default the config's (auto); both loops run the kernel it resolves to on this device",
+)
 parser.add_argument("--steps", type=int, default=20, help="steps per timed window")
 parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each loop first")
 parser.add_argument("--repeats", type=int, default=3, help="paired (kit, hand) windows")
@@ -76,7 +87,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxkit import costs
+from jaxkit import attention, costs
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import load_config
@@ -108,6 +119,8 @@ def base_config():
         config.batch.per_device_batch_size = 4
     if args.remat is not None:
         config.model.remat = args.remat
+    if args.attention is not None:
+        config.model.attention = args.attention
     if args.global_batch is not None:
         config.batch.global_batch_size = args.global_batch
     return config
@@ -414,11 +427,13 @@ def splits(config, device, peak: float) -> dict:
 
 def main() -> None:
     device = jax.devices()[0]
-    config = base_config()
+    # auto resolved as a run on this device resolves it; a kernel it cannot run is refused.
+    config = attention.with_kernel(base_config(), [device])
     peak, peak_source = peak_of(device)
     print(
         f"{args.config}{' (--small)' if args.small else ''} on 1 x {device.device_kind} "
-        f"({device.platform}); remat {config.model.remat}, scan_layers "
+        f"({device.platform}); remat {config.model.remat}, attention "
+        f"{config.model.attention}, scan_layers "
         f"{config.model.get('scan_layers', False)}, compute {config.model.compute_dtype}; "
         f"peak {peak / 1e12:.3g} TFLOP/s ({peak_source})",
         flush=True,
@@ -428,6 +443,7 @@ def main() -> None:
         "small": args.small,
         "overrides": SMALL if args.small else {},
         "remat": config.model.remat,
+        "attention": config.model.attention,
         "scan_layers": bool(config.model.get("scan_layers", False)),
         "seq_len": config.data.seq_len,
         "device_kind": device.device_kind,
