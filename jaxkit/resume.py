@@ -23,7 +23,7 @@ from jaxkit.batch_schedule import AutoRamp, BatchSchedule, schedule_from_config
 from jaxkit.checkpoint import Restored, position_of
 from jaxkit.config import ADDED_DEFAULTS
 from jaxkit.hf import load as hf_load
-from jaxkit.layers import LM_DEFAULTS, lm_option
+from jaxkit.layers import lm_option
 from jaxkit.metrics import truncate_metrics
 from jaxkit.models import contract
 from jaxkit.records import StepTracker, summarize
@@ -195,34 +195,38 @@ def resume_events(
                 **rates,
             }
         )
-    saved_remat = meta["config"].get("model", {}).get("remat", LM_DEFAULTS["remat"])
-    reads_remat = contract(config).READS_LM_OPTIONS
-    if reads_remat and saved_remat != lm_option(config.model, "remat"):
-        # Same model, other recomputation: hardware FLOPs (and HFU, memory) move from here.
-        events.append(
-            {
-                "event": "remat_change",
-                "step": at.step,
-                "examples_seen": at.examples,
-                "from_remat": saved_remat,
-                "to_remat": lm_option(config.model, "remat"),
-            }
-        )
-    # A run saved before model.attention ran xla (its Key's `added`).
-    before_key = ADDED_DEFAULTS["model.attention"]
-    saved_kernel = meta["config"].get("model", {}).get("attention", before_key)
-    if reads_remat and saved_kernel != lm_option(config.model, "attention"):
-        # The same attention by another kernel: the numbers agree to round-off; memory,
-        # speed and the hardware FLOPs counted (a Pallas kernel's are not) move from here.
-        events.append(
-            {
-                "event": "attention_change",
-                "step": at.step,
-                "examples_seen": at.examples,
-                "from_attention": saved_kernel,
-                "to_attention": lm_option(config.model, "attention"),
-            }
-        )
+    return events + _option_events(meta, config, at)
+
+
+# LM options a resume may change whose change moves what is measured from there on:
+# remat (the same model, other recomputation: hardware FLOPs, HFU and memory move) and the
+# attention kernel (the same attention to round-off; memory, speed and the hardware FLOPs
+# counted move: a Pallas kernel's are not counted).
+_LOGGED_OPTIONS = ("remat", "attention")
+
+
+def _option_events(
+    meta: dict, config: ml_collections.ConfigDict, at: data_lib.Position
+) -> list[dict]:
+    """A `{option}_change` record for each logged LM option the resume changes; a run saved
+    before an option's key ran as its declared `added` value."""
+    if not contract(config).READS_LM_OPTIONS:
+        return []
+    saved_model = meta["config"].get("model", {})
+    events = []
+    for option in _LOGGED_OPTIONS:
+        saved = saved_model.get(option, ADDED_DEFAULTS[f"model.{option}"])
+        now = lm_option(config.model, option)
+        if saved != now:
+            events.append(
+                {
+                    "event": f"{option}_change",
+                    "step": at.step,
+                    "examples_seen": at.examples,
+                    f"from_{option}": saved,
+                    f"to_{option}": now,
+                }
+            )
     return events
 
 
