@@ -69,10 +69,10 @@ def export_hf(
     params, meta = restore_params(checkpoints, step)
     config = ml_collections.ConfigDict(meta["config"])
     m = config.model
-    if m.get("kind") != "llama":
+    if m.get("kind") != names.KIND:
         raise CheckpointError(
             f"--hf writes Hugging Face Llama checkpoints: the run in {workdir} trained "
-            f"model.kind={m.get('kind')!r}, not 'llama'"
+            f"model.kind={m.get('kind')!r}, not {names.KIND!r}"
         )
     source = meta.get("hf_source")  # None: a run from random weights, or saved before
     if dtype is None and source is not None:

@@ -190,7 +190,7 @@ def _take_saved_architecture(
     """The model keys config.json would set, as the checkpoint's saved config has them,
     except those the command line gives (the resume compares those with the saved ones)."""
     model = saved.get("model") or {}
-    if model.get("kind") != "llama":
+    if model.get("kind") != names.KIND:
         return  # another model: the resume names every key that differs
     given = {item.split("=", 1)[0] for item in overrides if "=" in item}
     with config.unlocked() if config.is_locked else contextlib.nullcontext():

@@ -206,6 +206,11 @@ def _rope_scaling(value: object) -> dict[str, float | int] | None:
     return {field: value[field] for field in llama.ROPE_SCALING_FIELDS}
 
 
+# The one model kind whose params these names map: the Llama family (its contract is
+# jaxkit/models/llama.py); other kinds have no Hugging Face layout here.
+KIND = "llama"
+
+
 # The model keys config.json sets (model_keys_from_hf_config), each with the fields of
 # config.json that say it (hf_config_from_model writes them; head_dim's width follows from
 # d_model and the heads where model.head_dim is null).
@@ -264,7 +269,7 @@ def model_keys_from_hf_config(
     heads = cfg["num_attention_heads"]
     width = cfg.get("head_dim")
     return {
-        "model.kind": "llama",
+        "model.kind": KIND,
         "model.vocab_size": cfg["vocab_size"],
         "model.d_model": cfg["hidden_size"],
         "model.num_layers": cfg["num_hidden_layers"],
