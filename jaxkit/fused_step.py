@@ -10,7 +10,8 @@ reduce-scattered over "fsdp" at each micro-step, so the accumulator is sharded, 
 MaxText's default), and the tensor axis splits the work as it does in MultiSteps mode. The
 loss, the model and the inner optimizer are the ones the MultiSteps step uses, and the
 state keeps MultiSteps' layout, so checkpoints move between the modes at optimizer-step
-boundaries.
+boundaries. The micro-batch gradients are summed in that state's own accumulator, which
+holds zeros at every boundary and is donated: no second params-sized buffer.
 
 A step in which any micro-batch is non-finite is skipped as a whole: the devices only learn
 of it after the local sums, when a micro-batch can no longer be taken out. Params and the
@@ -49,50 +50,67 @@ def fused_train_step(
 
     groups = mesh.shape["data"]
 
-    def accumulate(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
+    def micro(params: Any, mb: dict[str, jax.Array]) -> tuple[Any, jax.Array, jax.Array]:
+        """One micro-batch's float32 gradient, its loss and whether either is not finite."""
+
+        def loss_fn(p: Any) -> jax.Array:
+            return model_loss(nnx.merge(graphdef, p), mb)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        grads = float32(grads)
+        return grads, loss, ~(jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads)))
+
+    def accumulate(params: Any, acc_grads: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
         """Gradient and loss summed over this group's rows of the K micro-batches (the
         loader's weights make the sum over every group the global batch's Σ w·loss / Σ w),
-        and the non-finite micro-batches."""
-
-        def micro(grad_sum: Any, mb: dict[str, jax.Array]) -> tuple[Any, tuple]:
-            def loss_fn(p: Any) -> jax.Array:
-                return model_loss(nnx.merge(graphdef, p), mb)
-
-            loss, grads = jax.value_and_grad(loss_fn)(params)
-            grads = float32(grads)
-            finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-            return jax.tree.map(jnp.add, grad_sum, grads), (loss, ~finite)
-
-        zeros = jax.tree.map(jnp.zeros_like, float32(params))
+        and the non-finite micro-batches. K > 1 sums into `acc_grads` (zeros)."""
         if accum_steps == 1:  # no scan: the TPU compiler ran a one-trip scan's layers twice
-            grad_sum, out = micro(zeros, jax.tree.map(lambda x: x[0], batch_KxB))
-            losses, nonfinite = (x[None] for x in out)
-        else:
-            grad_sum, (losses, nonfinite) = jax.lax.scan(micro, zeros, batch_KxB)
+            grads, loss, bad = micro(params, jax.tree.map(lambda x: x[0], batch_KxB))
+            return grads, loss, bad.astype(jnp.float32)
+
+        def add_micro(grad_sum: Any, mb: dict[str, jax.Array]) -> tuple[Any, tuple]:
+            # The barrier makes the params a value of this trip: otherwise XLA hoists their
+            # fsdp all-gathers and layout copies out of the loop and holds every layer's
+            # gathered weights through the whole scan, where MultiSteps gathers them within
+            # each micro-step (CPU, 2x2x2: 3.3 MiB more per device at K = 8).
+            p, mb = jax.lax.optimization_barrier((params, mb))
+            grads, loss, bad = micro(p, mb)
+            return jax.tree.map(jnp.add, grad_sum, grads), (loss, bad)
+
+        grad_sum, (losses, nonfinite) = jax.lax.scan(add_micro, acc_grads, batch_KxB)
         return grad_sum, jnp.sum(losses), jnp.sum(nonfinite).astype(jnp.float32)
 
-    def per_data_group(params: Any, batch_KxB: dict[str, jax.Array]) -> tuple[Any, ...]:
+    def per_data_group(
+        params: Any, acc_grads: Any, batch_KxB: dict[str, jax.Array]
+    ) -> tuple[Any, ...]:
         # Params are invariant across "data"; grad would then insert its own psum. Marking
-        # them varying keeps the gradient local until the one reduction below.
-        params = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
+        # them varying keeps the gradient local until the one reduction below (the
+        # accumulator too: each group sums into its copy, and zeros add nothing).
+        params, acc_grads = jax.tree.map(
+            lambda x: jax.lax.pcast(x, "data", to="varying"), (params, acc_grads)
+        )
         # The one reduction across "data" of the step: the groups' sums add up to the
         # global batch's gradient and loss.
-        return jax.lax.psum(accumulate(params, batch_KxB), "data")
+        return jax.lax.psum(accumulate(params, acc_grads, batch_KxB), "data")
 
+    # The sums start from the state's accumulator, not from fresh zeros: it holds zeros at
+    # every optimizer-step boundary (MultiSteps empties it at a step's last micro-batch, this
+    # step below, a resume into this mode a half-filled one), and the state is donated, so
+    # XLA sums in that buffer instead of a second params-sized one.
+    ms = state.opt_state
     if groups == 1:  # no data groups to reduce over (XLA rejects a 1-way one)
-        grads, loss, bad = accumulate(state.params, batch)
+        grads, loss, bad = accumulate(state.params, ms.acc_grads, batch)
     else:
         # Manual over "data" only: fsdp and tensor stay with the compiler, which keeps
         # params, gradients and the accumulator sharded as the params are.
         grads, loss, bad = jax.shard_map(
             per_data_group,
             mesh=mesh,
-            in_specs=(P(), P(None, "data")),
+            in_specs=(P(), P(), P(None, "data")),
             out_specs=(P(), P(), P()),
             axis_names={"data"},
-        )(state.params, batch)
+        )(state.params, ms.acc_grads, batch)
 
-    ms = state.opt_state
     updates, inner = tx.inner_opt.update(grads, ms.inner_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     ok = bad == 0
@@ -110,7 +128,8 @@ def fused_train_step(
         mini_step=ms.mini_step,
         gradient_step=ms.gradient_step + 1,  # a skipped step still counts, as the data moved on
         inner_opt_state=keep(inner, ms.inner_opt_state),
-        acc_grads=ms.acc_grads,
+        # K = 1 never wrote to the accumulator: its zeros stay.
+        acc_grads=ms.acc_grads if accum_steps == 1 else jax.tree.map(_emptied, grads),
         skip_state=ms.skip_state,
     )
     new_state = state.replace(
@@ -125,3 +144,15 @@ def fused_train_step(
         "grad_norm": inner[0].grad_norm,  # not finite for a skipped step; not logged then
     }
     return new_state, metrics
+
+
+def _emptied(grad_sum: jax.Array) -> jax.Array:
+    """Zeros, as MultiSteps leaves its accumulator after a step, made from the gradient sum.
+
+    A constant would be zeros too, but XLA could not order writing it into the donated
+    accumulator after the update's last read of the sum made there, and keeps the two apart
+    with a copy of the accumulator (one params-sized buffer more). Made from the sum, the
+    zeros are written over it once it is read. |g| · 0 is +0.0 for every finite g; the
+    `where` gives zeros for a skipped step's non-finite sums too.
+    """
+    return jnp.where(jnp.isfinite(grad_sum), jnp.abs(grad_sum) * 0.0, 0.0)
