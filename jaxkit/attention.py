@@ -14,7 +14,7 @@ by `--target`; cudnn on NVIDIA GPUs in bfloat16; xla elsewhere, where splash can
 rows' length, and in the fused step (train.accumulation=fused: JAX 0.10 cannot differentiate
 a Pallas call in a shard_map nested in the step's). `choose` refuses an explicit choice the
 backend cannot run. A run's config, plan and summary carry the kernel that ran, never
-`auto` (`with_kernel`).
+`auto` (`train_step.with_kernel`).
 
 Packed documents (data.document_mask): xla takes them as a (B, 1, L, L) mask, splash as
 segment ids. JAX's cuDNN call takes no segment ids (a mask would become a dense bias), so
@@ -28,17 +28,13 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from jaxkit.keys import ConfigError
 from jaxkit.mesh import BATCH_AXES
-from jaxkit.models import contract
 
 KERNELS = ("xla", "cudnn", "splash")
 # Splash's blocks are multiples of a TPU vreg's 128 lanes, and a row holds whole blocks.
@@ -126,37 +122,6 @@ def choose(
     return kernel, None
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr)
-
-
-def with_kernel(
-    config: ml_collections.ConfigDict,
-    devices: Sequence[jax.Device],
-    warn: Callable[[str], None] = _stderr,
-) -> ml_collections.ConfigDict:
-    """`config` with model.attention the kernel that runs on `devices` (a copy where that
-    differs from what it says), for a model that reads the LM options; `config` otherwise."""
-    if not contract(config).READS_LM_OPTIONS:
-        return config
-    m, data = config.model, config.data
-    kernel, note = choose(
-        m.get("attention", "auto"),
-        backend=backend_of(devices[0]),
-        compute_dtype=m.get("compute_dtype", "float32"),
-        seq_len=int(data.seq_len),
-        document_mask=data.get("source") == "tokens" and bool(data.get("document_mask", False)),
-        fused=config.train.get("accumulation") == "fused",
-    )
-    if note:
-        warn(note)
-    if m.get("attention") == kernel:
-        return config
-    out = ml_collections.ConfigDict(config.to_dict())
-    out.model.attention = kernel
-    return out
-
-
 def document_mask(segment_ids_BxL: jax.Array | None) -> jax.Array | None:
     """Attention allowed only within a document: (B, 1, L, L), True where the query's and
     the key's segments agree (causality is applied on top); None without segments."""
@@ -174,7 +139,7 @@ def attend(
 ) -> jax.Array:
     """Causal attention by `kernel` (auto: this process's default devices'), attention kept
     inside each document where segment ids are given; softmax in float32."""
-    if kernel == "auto":  # a model built outside a run (with_kernel resolves a run's)
+    if kernel == "auto":  # a model built outside a run (train_step.with_kernel resolves a run's)
         dtype = "bfloat16" if q_BxLxHxK.dtype == jnp.bfloat16 else "float32"
         kernel = auto_kernel(backend_of(jax.devices()[0]), dtype, q_BxLxHxK.shape[1])
     if kernel == "splash":
@@ -278,5 +243,4 @@ __all__ = [
     "choose",
     "document_mask",
     "splash_attention",
-    "with_kernel",
 ]

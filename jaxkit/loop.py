@@ -25,7 +25,6 @@ from typing import NamedTuple
 import jax
 import ml_collections
 
-from jaxkit import attention
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit import peak as peak_lib
@@ -68,6 +67,7 @@ from jaxkit.train_step import (
     TrainState,
     build,
     check_on_mesh,
+    with_kernel,
 )
 from jaxkit.validate import validate
 from jaxkit.workdir import as_path
@@ -106,7 +106,7 @@ def train(
         echo, progress = (lambda *args: None), False
     # The attention kernel these devices run, for auto: the run's config, checkpoints and
     # summary name the one that ran.
-    config = attention.with_kernel(config, devices or jax.devices(), echo)
+    config = with_kernel(config, devices or jax.devices(), echo)
     parts = _set_up(config, devices, echo)
     checkpointer, restored = _resume(config, workdir, parts, echo, allow_batch_change, allow_longer)
     # Compiled once, ahead of time (once per K in fused mode), after the resume's checks so

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import jax
 import ml_collections
 
-from jaxkit import attention, costs
+from jaxkit import costs
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.batch_schedule import BatchSchedule, schedule_from_config
@@ -33,7 +33,7 @@ from jaxkit.layers import REMAT_POLICIES, lm_option
 from jaxkit.models import check_mesh_divides, contract
 from jaxkit.records import model_facts
 from jaxkit.targets import Target, batch_shards_per_host, target_devices
-from jaxkit.train_step import check_on_mesh
+from jaxkit.train_step import check_on_mesh, with_kernel
 
 
 class PlanError(ValueError):
@@ -185,7 +185,7 @@ def request(
     if shape is None:
         shape = mesh_shape(config, devices, target)
     policies = resolve_remat(remat, config)
-    config = attention.with_kernel(config, devices)  # the kernel these devices run, for auto
+    config = with_kernel(config, devices)  # the kernel these devices run, for auto
     schedule = schedule_from_config(config, shape)  # every stage must hold on this mesh
     if config.data.source == "tokens":
         # Token files are the one source the config does not describe: train's checks of

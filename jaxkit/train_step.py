@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -26,7 +27,7 @@ from jaxkit import mesh as mesh_lib
 from jaxkit.batch_plan import Accumulation, BatchPlan
 from jaxkit.batch_schedule import BatchSchedule, fixed_schedule
 from jaxkit.fused_step import fused_train_step
-from jaxkit.models import build_model, check_mesh_divides, eval_sums, model_loss
+from jaxkit.models import build_model, check_mesh_divides, contract, eval_sums, model_loss
 from jaxkit.optimizer import Hyper, applied_grad_norm, float32, hyper_for, make_optimizer
 
 
@@ -40,6 +41,37 @@ class TrainState:
     def step(self) -> jax.Array:
         """Optimizer steps done."""
         return self.opt_state.gradient_step
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def with_kernel(
+    config: ml_collections.ConfigDict,
+    devices: Sequence[jax.Device],
+    warn: Callable[[str], None] = _stderr,
+) -> ml_collections.ConfigDict:
+    """`config` with model.attention the kernel that runs on `devices` (a copy where that
+    differs from what it says), for a model that reads the LM options; `config` otherwise."""
+    if not contract(config).READS_LM_OPTIONS:
+        return config
+    m, data = config.model, config.data
+    kernel, note = attention.choose(
+        m.get("attention", "auto"),
+        backend=attention.backend_of(devices[0]),
+        compute_dtype=m.get("compute_dtype", "float32"),
+        seq_len=int(data.seq_len),
+        document_mask=data.get("source") == "tokens" and bool(data.get("document_mask", False)),
+        fused=Accumulation(config.train.accumulation) is Accumulation.FUSED,
+    )
+    if note:
+        warn(note)
+    if m.get("attention") == kernel:
+        return config
+    out = ml_collections.ConfigDict(config.to_dict())
+    out.model.attention = kernel
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +118,7 @@ def build(
 ) -> Setup:
     """The state layout and the jitted init, train and eval steps for one mesh and plan
     (the first stage of `schedule`, which defaults to `plan` for the whole run)."""
-    config = attention.with_kernel(config, list(mesh.devices.flat))  # auto: the mesh's kernel
+    config = with_kernel(config, list(mesh.devices.flat))  # auto: the mesh's kernel
     schedule = schedule or fixed_schedule(config, plan)
     tx = make_optimizer(config, hyper_for(schedule, plan, 0))
     graphdef, abstract_params = _abstract_model(config)
