@@ -111,6 +111,20 @@ def fused_train_step(
             axis_names={"data"},
         )(state.params, ms.acc_grads, batch)
 
+    return _applied(state, tx, grads, loss, bad, accum_steps)
+
+
+def _applied(
+    state: Any,
+    tx: optax.MultiSteps,
+    grads: Any,
+    loss: jax.Array,
+    bad: jax.Array,
+    accum_steps: int,
+) -> tuple[Any, dict[str, jax.Array]]:
+    """The optimizer step from the step's summed gradient, in MultiSteps' state layout; a
+    step with a non-finite micro-batch (`bad` > 0) is skipped whole."""
+    ms = state.opt_state
     updates, inner = tx.inner_opt.update(grads, ms.inner_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     ok = bad == 0
