@@ -214,18 +214,29 @@ def test_tpu_programs_count_their_loops_and_convolutions():
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("d")))
     backward = jax.jit(jax.grad(f)).lower(w, x).compile()
     assert hardware_flops(backward.as_text()) == 5 * 3 * 2 * 8 * 256 * 256  # 8 rows per chip
-    # A whole step, attention's batched matmuls included.
+    # A whole step, attention's batched matmuls included (xla's attention: a TPU target's
+    # auto takes splash, whose Pallas kernel states no FLOPs).
     config = load_config("lm_tiny")
+    apply_overrides(config, ["model.attention=xla"])
     split = costs.split_config(config, 8, 1)
     plan = plan_from_config(split, {"data": 8, "fsdp": 1, "tensor": 1})
     cost = costs.step_cost(split, plan, devices)
     assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.05)
+    # With splash, what is counted is the step less attention's scores and weighted values:
+    # 12 × layers × d_model × seq_len per token, over the chip's 8 rows (flops.py).
+    apply_overrides(split, ["model.attention=splash"])
+    with_splash = costs.step_cost(split, plan, devices)
+    m, seq = split.model, split.data.seq_len
+    kernel = 12 * m.num_layers * m.d_model * seq * (8 * seq)
+    assert with_splash.hardware_flops_per_step == pytest.approx(
+        cost.model_flops_per_step - kernel, rel=1e-3
+    )
     # Grouped-query attention, scanned: the projections become convolutions whose padded
     # window is wider than its input; only the taps on real input count.
     counts = []
     for scan in ("false", "true"):
         llama = load_config("llama_tiny")
-        apply_overrides(llama, [f"model.scan_layers={scan}"])
+        apply_overrides(llama, [f"model.scan_layers={scan}", "model.attention=xla"])
         split = costs.split_config(llama, 8, 1)
         cost = costs.step_cost(split, plan_from_config(split, plan_shape(plan)), devices)
         counts.append(cost.hardware_flops_per_step)
