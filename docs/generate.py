@@ -88,6 +88,13 @@ Every value is checked before anything compiles or trains (`plan` included), and
 exits 2 naming the key and its limit: each key's limit is in the tables below, and the
 [exit statuses](../exit-statuses.md) page says what else exits 2.
 
+"A resume may change it" means the resume's check of the config lets the key differ from the
+checkpoint's, and no more: a changed global batch (`batch.*`) still needs
+`--allow-batch-change`, and `train.steps` (or `train.examples`) may only grow, with
+`--allow-longer`, and not switch between the two ([moving a run](../checkpoints.md));
+`model.init_from` is not read at a resume (the checkpoint holds the params), but the model
+keys it set must still agree with the checkpoint's.
+
 ## Between keys
 
 Beyond each key's own limit: at most one mesh axis is -1; exactly one of `train.steps` and
