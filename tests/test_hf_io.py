@@ -453,3 +453,33 @@ def test_throughput_times_random_params_of_the_shape_without_the_directory(stopp
     report = Report(tmp_path / "report", "throughput")
     throughput._render(sweep, report)
     assert any("random params of the shape `hf:" in block for block in report.blocks)
+
+
+def test_a_tensor_in_two_files_without_an_index_is_refused(tmp_path):
+    m = small_config().model
+    tensors = write_hf(tmp_path / "hf", m)
+    # A stray file that sorts after model.safetensors, with other values for one tensor.
+    name = "model.layers.0.self_attn.q_proj.weight"
+    stray = {name: np.zeros_like(tensors[name])}
+    safetensors.numpy.save_file(stray, tmp_path / "hf" / "stray.safetensors")
+    refused(
+        "plan",
+        "llama_tiny",
+        *SMALL,
+        f"model.init_from=hf:{tmp_path / 'hf'}",
+        says=[name, "model.safetensors", "stray.safetensors"],
+    )
+
+
+def test_an_index_that_puts_a_tensor_in_the_wrong_file_is_refused(tmp_path):
+    write_hf(tmp_path / "hf", small_config().model, files=2)
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.norm.weight"
+    held = index["weight_map"][name]
+    other = next(f for f in index["weight_map"].values() if f != held)
+    index["weight_map"][name] = other
+    index_path.write_text(json.dumps(index))
+    refused(
+        "plan", "llama_tiny", *SMALL, f"model.init_from=hf:{tmp_path / 'hf'}", says=[name, other]
+    )

@@ -83,8 +83,6 @@ def read_hf_config(directory: pathlib.Path) -> dict[str, Any]:
 def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     """Each tensor's safetensors file: from model.safetensors.index.json's weight_map where
     there is one, else from the headers of every *.safetensors in `directory`."""
-    from safetensors import safe_open
-
     where = f"model.init_from=hf:{directory}"
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -106,13 +104,37 @@ def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
         missing = sorted({p.name for p in found.values() if not p.is_file()})
         if missing:
             raise ConfigError(f"{where}: {INDEX_NAME} names missing files: {', '.join(missing)}")
+        # The headers only: a tensor the index puts in a file without it would otherwise
+        # surface as safetensors' own error at the first read.
+        for path in sorted(set(found.values())):
+            held = _tensor_names(path)
+            absent = [name for name, p in found.items() if p == path and name not in held]
+            if absent:
+                raise ConfigError(
+                    f"{where}: {INDEX_NAME} puts {absent[0]!r} in {path.name}, which does not "
+                    "hold it: the index and the weight files disagree"
+                )
         return found
     found = {}
     for path in files:
-        with safe_open(str(path), framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118  (a safe_open handle has no __iter__)
-                found[name] = path
+        for name in _tensor_names(path):
+            if name in found:
+                # Without an index no file is the one to read (transformers reads
+                # model.safetensors alone): taking either could load the wrong weights.
+                raise ConfigError(
+                    f"{where}: tensor {name!r} is in both {found[name].name} and {path.name} "
+                    f"and there is no {INDEX_NAME} to say which to read: remove the stray file"
+                )
+            found[name] = path
     return found
+
+
+def _tensor_names(path: pathlib.Path) -> set[str]:
+    """The tensors a safetensors file's header names."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return set(f.keys())
 
 
 def apply_init_from(
