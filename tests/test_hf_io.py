@@ -483,3 +483,43 @@ def test_an_index_that_puts_a_tensor_in_the_wrong_file_is_refused(tmp_path):
     refused(
         "plan", "llama_tiny", *SMALL, f"model.init_from=hf:{tmp_path / 'hf'}", says=[name, other]
     )
+
+
+LLAMA3_SCALING = (
+    'model.rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, '
+    '"original_max_position_embeddings": 8192}'
+)
+
+
+def test_an_override_of_a_field_of_a_model_key_is_held_against_config_json(tmp_path):
+    write_hf(tmp_path / "hf", small_config(LLAMA3_SCALING).model)
+    init_from = f"model.init_from=hf:{tmp_path / 'hf'}"
+    for factor, agrees in (("16.0", False), ("32", True)):
+        config = small_config(LLAMA3_SCALING)  # the config file's own dict
+        given = [init_from, f"model.rope_scaling.factor={factor}"]
+        apply_overrides(config, given)
+        if agrees:
+            hf_load.apply_init_from(config, given)
+            assert config.model.rope_scaling.factor == 32.0
+            continue
+        with pytest.raises(ConfigError) as err:
+            hf_load.apply_init_from(config, given)
+        assert "model.rope_scaling.factor=16.0 (config.json: 32.0)" in str(err.value)
+
+
+def test_an_override_giving_the_default_head_width_agrees(tmp_path):
+    m = small_config().model  # d_model 32 over 4 heads: a width of 8
+    write_hf(tmp_path / "hf", m)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["head_dim"] == 8  # written out, as transformers writes it
+    init_from = f"model.init_from=hf:{tmp_path / 'hf'}"
+    config = small_config()
+    given = [init_from, "model.head_dim=8"]
+    apply_overrides(config, given)
+    hf_load.apply_init_from(config, given)
+    assert config.model.head_dim is None  # the default width, as config.json's keys say
+    config = small_config()
+    given = [init_from, "model.head_dim=16"]
+    apply_overrides(config, given)
+    with pytest.raises(ConfigError, match=r"model\.head_dim=16 \(config\.json: None, a width of 8"):
+        hf_load.apply_init_from(config, given)

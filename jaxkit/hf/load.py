@@ -163,9 +163,9 @@ def apply_init_from(
     keys = names.model_keys_from_hf_config(cfg, seq_len=seq_len)
     given = dict(item.split("=", 1) for item in overrides if "=" in item)
     differing = [
-        f"{key}={given[key]} (config.json: {value})"
-        for key, value in keys.items()
-        if key in given and parse_value(given[key]) != value
+        f"{name}={text} (config.json: {said})"
+        for name, text in given.items()
+        if (said := _contradicted(name, parse_value(text), keys, cfg)) is not None
     ]
     if differing:
         raise ConfigError(
@@ -179,6 +179,27 @@ def apply_init_from(
                 del config[section][leaf]  # its type may differ from the file's (an int theta)
             config[section][leaf] = value
     check_weights(directory, config.model)
+
+
+def _contradicted(
+    name: str, value: object, keys: Mapping[str, object], cfg: Mapping[str, Any]
+) -> str | None:
+    """config.json's value where the override `name`=`value` contradicts it, else None.
+    A field of a model key (model.rope_scaling.factor) overrides that key: it is compared
+    with the same field of config.json's value. A head width is compared as the width the
+    model gets, so model.head_dim=8 agrees with a config.json whose width is 8 by default."""
+    key, _, field = name.rpartition(".") if name not in keys else (name, "", "")
+    if key not in keys:
+        return None
+    expected = keys[key]
+    if field:
+        if isinstance(expected, Mapping) and field in expected:
+            return None if value == expected[field] else repr(expected[field])
+        return repr(expected)  # no such field there: config.json says otherwise
+    if key == "model.head_dim" and expected is None:
+        expected = cfg["hidden_size"] // cfg["num_attention_heads"]
+        return None if value in (None, expected) else f"None, a width of {expected}"
+    return None if value == expected else str(expected)
 
 
 def saved_config(workdir: str | os.PathLike[str]) -> dict[str, Any] | None:
