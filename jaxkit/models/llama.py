@@ -30,7 +30,6 @@ from jaxkit.models.lm import (
     DATA_KEYS,
     LM_OPTION_KEYS,
     READS_LM_OPTIONS,
-    check_model,
     check_shards,
     facts,
     flops_per_example,
@@ -164,6 +163,17 @@ def check_values(flat: Mapping[str, Any]) -> None:
     prefix = "model.rope_scaling."
     fields = {key[len(prefix) :]: v for key, v in flat.items() if key.startswith(prefix)}
     value = fields or flat.get("model.rope_scaling")
+    problem = _rope_scaling_problem(value)
+    if problem:
+        raise ConfigError(f"model.rope_scaling={show(value)}: {problem}")
+
+
+def check_model(config: ml_collections.ConfigDict) -> None:
+    """model.rope_scaling as the config holds it: an empty dict leaves no dotted key in the
+    flattened values check_values sees, so only here is {} told apart from null."""
+    value = config.model.get("rope_scaling")
+    if isinstance(value, ml_collections.ConfigDict):
+        value = value.to_dict()
     problem = _rope_scaling_problem(value)
     if problem:
         raise ConfigError(f"model.rope_scaling={show(value)}: {problem}")
