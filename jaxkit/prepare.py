@@ -664,6 +664,10 @@ def prepare(
             # so its fingerprint (and the checkpoints that recorded it) stays as it was.
             **({} if encoder.bos_id is None else {"bos_id": encoder.bos_id}),
             "tokenizer": tokenizer,
+            # As typed, "tokenizer" may be relative to where prepare ran; export copies the
+            # file from anywhere by this one, which the fingerprint leaves out (so data
+            # prepared before it, or from another directory, keeps its fingerprint).
+            **({} if tokenizer == "bytes" else {"tokenizer_file": os.path.abspath(tokenizer)}),
             "masked": masked,
             "eval_fraction": eval_fraction,
             "seed": seed,

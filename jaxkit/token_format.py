@@ -45,6 +45,7 @@ def token_dtype_for(vocab_size: int) -> str:
 #   vocab_size, eod_id         the tokenizer's; every id is < vocab_size
 #   bos_id                     (only with --bos) the id put before each document
 #   tokenizer                  "bytes" or the tokenizer.json path it was given
+#   tokenizer_file             (a tokenizer.json only) its absolute path, for `export`
 #   masked                     whether each shard has a .mask file
 #   eval_fraction, seed        how documents were drawn for the held-out split
 #   num_tokens, num_documents  {"train": n, "eval": n}

@@ -523,3 +523,47 @@ def test_an_override_giving_the_default_head_width_agrees(tmp_path):
     apply_overrides(config, given)
     with pytest.raises(ConfigError, match=r"model\.head_dim=16 \(config\.json: None, a width of 8"):
         hf_load.apply_init_from(config, given)
+
+
+def test_export_finds_a_tokenizer_prepare_was_given_relative_to_another_cwd(tmp_path, monkeypatch):
+    from test_prepare import CORPUS, train_bpe
+
+    from jaxkit.data import make_sources
+    from jaxkit.hf.export import export_hf
+    from jaxkit.prepare import prepare
+
+    (tmp_path / "a" / "tok").mkdir(parents=True)
+    docs = "".join(json.dumps({"text": text}) + "\n" for text in CORPUS)
+    (tmp_path / "docs.jsonl").write_text(docs)
+    monkeypatch.chdir(tmp_path / "a")
+    train_bpe(tmp_path / "a" / "tok" / "tokenizer.json", ["<|endoftext|>"])
+    meta = prepare(
+        [str(tmp_path / "docs.jsonl")],
+        "tok/tokenizer.json",
+        tmp_path / "data",
+        eval_fraction=0.5,
+        workers=1,
+        progress=False,
+    )
+    data = ["data.source=tokens", f"data.path={tmp_path / 'data'}", "data.seq_len=4"]
+    vocab = f"model.vocab_size={meta['vocab_size']}"
+    # The fingerprint is the one of the same data prepared before meta.json held the
+    # absolute path: that meta.json is this one without it.
+    fingerprint = make_sources(small_config(vocab, *data))[0].fingerprint
+    written = json.loads((tmp_path / "data" / "meta.json").read_text())
+    older = {k: v for k, v in written.items() if k != "tokenizer_file"}
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(older))
+    assert make_sources(small_config(vocab, *data))[0].fingerprint == fingerprint
+    assert fingerprint["tokenizer"] == "tok/tokenizer.json"  # as typed, as before
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(written))
+    write_hf(tmp_path / "hf", small_config(vocab).model)
+    config = small_config(vocab, *data, f"model.init_from=hf:{tmp_path / 'hf'}")
+    hf_load.apply_init_from(config)
+    save_untouched(config, tmp_path / "run", tokenizer="tok/tokenizer.json")
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")  # where tok/tokenizer.json is not
+    warned = []
+    export_hf(tmp_path / "run", tmp_path / "out", echo=warned.append)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+        tmp_path / "a" / "tok" / "tokenizer.json"
+    ).read_bytes(), warned

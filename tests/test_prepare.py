@@ -26,6 +26,7 @@ META_KEYS = {  # token_format's list
     "vocab_size",
     "eod_id",
     "tokenizer",
+    "tokenizer_file",  # a tokenizer.json's (the bytes tokenizer has no file)
     "masked",
     "eval_fraction",
     "seed",

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxkit.checkpoint import CheckpointError, restore_params, saved_steps
 from jaxkit.hf import names
+from jaxkit.token_format import META_NAME
 from jaxkit.workdir import as_path
 
 DTYPES = ("bfloat16", "float32")
@@ -96,7 +97,7 @@ def export_hf(
     # transformers reads only safetensors files that say which framework wrote them.
     save_file(tensors, str(target / WEIGHTS_NAME), metadata={"format": "pt"})
     (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    copied = _copy_tokenizer(meta, target, echo)
+    copied = _copy_tokenizer(meta, config, target, echo)
     echo(
         f"wrote {target}: step {step}, {len(tensors)} tensors in {_in_dtypes(dtypes, source)}"
         + (f", {copied}" if copied else "")
@@ -118,13 +119,20 @@ def _in_dtypes(dtypes: dict[str, str], source: dict | None) -> str:
     return said
 
 
-def _copy_tokenizer(meta: dict, target: pathlib.Path, echo: Callable[[str], None]) -> str:
+def _copy_tokenizer(
+    meta: dict,
+    config: ml_collections.ConfigDict,
+    target: pathlib.Path,
+    echo: Callable[[str], None],
+) -> str:
     """The tokenizer.json the run's token data was prepared with (its fingerprint names
     it), and its companion files; the bytes tokenizer has no file to copy."""
     tokenizer = ((meta.get("data") or {}).get("fingerprint") or {}).get("tokenizer")
     if tokenizer is None or tokenizer == "bytes":
         return ""
     source = pathlib.Path(tokenizer)
+    if not source.is_absolute():
+        source = _prepared_tokenizer(config, tokenizer) or source
     if not source.is_file():
         echo(
             f"warning: the run's data was prepared with {tokenizer}, which is not there now: "
@@ -138,3 +146,19 @@ def _copy_tokenizer(meta: dict, target: pathlib.Path, echo: Callable[[str], None
             shutil.copyfile(source.parent / name, target / name)
             copied.append(name)
     return ", ".join(copied)
+
+
+def _prepared_tokenizer(config: ml_collections.ConfigDict, tokenizer: str) -> pathlib.Path | None:
+    """The absolute path `jaxkit data prepare` recorded for `tokenizer` (as typed, relative
+    to where it ran) in the meta.json of the run's data.path, where that is the same data."""
+    path = (config.get("data") or {}).get("path")
+    if not path:
+        return None
+    try:
+        prepared = json.loads((pathlib.Path(path) / META_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(prepared, dict) or prepared.get("tokenizer") != tokenizer:
+        return None
+    found = prepared.get("tokenizer_file")
+    return pathlib.Path(found) if isinstance(found, str) else None
