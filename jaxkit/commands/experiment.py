@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from jaxkit.batch_plan import LR_SCALINGS
 from jaxkit.commands import common
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     experiment.add_argument(
         "--lr-scaling",
-        choices=("none", "linear", "sqrt"),
+        choices=LR_SCALINGS,
         help="batch-size, batch-ramp: scaling rule",
     )
     experiment.add_argument(
