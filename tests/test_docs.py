@@ -185,3 +185,25 @@ def test_the_marker_check_finds_an_unmarked_block_and_a_test_that_does_not_exist
     missing = "<!-- tested by tests/test_nothing.py::test_x -->\n\n    $ jaxkit plan\n    out\n"
     assert "missing" in marker_problems("x.md", missing)[0]
     assert "no code block" in marker_problems("x.md", "<!-- illustration -->\n\ntext\n")[0]
+
+
+def test_the_suite_figures_live_in_contributing_and_readme_rounds_them():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    with open(os.path.join(DOCS, "contributing.md"), encoding="utf-8") as f:
+        contributing = f.read()
+    said = re.findall(r"the suite takes about (\d+) minutes", readme)
+    measured = re.findall(r"\d[\d,]* tests in\s+(\d+) min(?:utes)? (\d+) s", contributing)
+    assert len(said) == 1, "README states the suite's time once"
+    assert len(measured) == 1, f"docs/contributing.md states {len(measured)} suite times"
+    minutes = round(int(measured[0][0]) + int(measured[0][1]) / 60)
+    assert int(said[0]) == minutes, (
+        f"README says the suite takes about {said[0]} minutes, docs/contributing.md measured "
+        f"{minutes}: say the new measurement in both"
+    )
+    assert "(docs/contributing.md#how-long-the-suite-takes)" in readme
+    # Nowhere else does a suite time or a test count stand on its own.
+    for path in pages():
+        if path not in ("README.md", "docs/contributing.md"):
+            with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+                assert not re.search(r"\d+ tests in|the suite takes", f.read()), path
