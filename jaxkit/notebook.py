@@ -9,10 +9,13 @@ runtime uses this module to choose what to install before jaxkit's dependencies 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import pathlib
+import re
 import sys
-from collections.abc import Mapping, Sequence
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,6 +26,8 @@ HOST_DEVICES = 8  # the notebooks' meshes go up to 8 devices
 TPU_ENV = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "COLAB_TPU_ADDR")
 # What JAX needs besides jaxkit's own requirements to use each runtime's accelerator.
 JAX_EXTRA = {"tpu": "jax[tpu]", "gpu": "jax[cuda12]", "cpu": None}
+# The packages a runtime's own jax is made of, which install_commands leaves as they are.
+RUNTIME_JAX = ("jax", "jaxlib")
 
 
 def detect_runtime(environ: Mapping[str, str] = os.environ, dev: str | os.PathLike = "/dev") -> str:
@@ -44,10 +49,44 @@ def detect_runtime(environ: Mapping[str, str] = os.environ, dev: str | os.PathLi
     return "cpu"
 
 
-def install_command(source: str, runtime: str) -> list[str]:
-    """The pip command that installs the jaxkit checkout at `source` for `runtime`."""
-    extra = JAX_EXTRA[runtime]
-    return [sys.executable, "-m", "pip", "install", "-q", "-e", source, *([extra] if extra else [])]
+def installed_version(name: str) -> str | None:
+    """The installed version of the distribution `name`, or None."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def install_commands(
+    source: str, runtime: str, installed: Callable[[str], str | None] = installed_version
+) -> list[list[str]]:
+    """The pip commands that install the jaxkit checkout at `source` for `runtime`.
+
+    A jax the runtime already has stays as it is: Colab's is paired with its libtpu or CUDA
+    plugin, and jaxkit's bounds (pyproject.toml) would move it and break the pairing. So
+    jaxkit goes in without its dependencies, then the ones missing, with jax and jaxlib
+    held at the versions there. Without a jax, jaxkit comes with its tested versions and
+    the build of jax for the runtime's accelerator.
+    """
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    if installed("jax") is None:
+        extra = JAX_EXTRA[runtime]
+        return [[*pip, "-e", source, *([extra] if extra else [])]]
+    with open(os.path.join(source, "pyproject.toml"), "rb") as f:
+        requirements = tomllib.load(f)["project"]["dependencies"]
+    missing = []
+    for requirement in requirements:
+        found = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?", requirement)
+        assert found is not None, requirement
+        name, extras = found.groups()
+        if name in RUNTIME_JAX:
+            continue
+        if installed(name) is None:
+            missing.append(requirement)
+        elif extras:  # what the extra brings, leaving the installed version as it is
+            missing.append(name + extras)
+    held = [f"{name}=={version}" for name in RUNTIME_JAX if (version := installed(name))]
+    return [[*pip, "--no-deps", "-e", source], *([[*pip, *missing, *held]] if missing else [])]
 
 
 def start_jax(host_devices: int = HOST_DEVICES) -> str:

@@ -1,9 +1,12 @@
+import os
 import sys
 
 import jax
 import pytest
 
 from jaxkit import notebook
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize(
@@ -26,11 +29,31 @@ def test_runtime_is_read_from_the_environment_and_dev(tmp_path, files, environ, 
     assert notebook.detect_runtime(environ, tmp_path) == expected
 
 
-def test_install_command_adds_the_accelerator_build_of_jax():
-    assert notebook.install_command("/src", "cpu") == [
-        sys.executable, "-m", "pip", "install", "-q", "-e", "/src"
-    ]  # fmt: skip
-    assert notebook.install_command("/src", "tpu")[-1] == "jax[tpu]"
+def test_without_a_jax_the_install_brings_the_tested_one_and_the_accelerator_build():
+    def nothing(name):
+        return None
+
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    assert notebook.install_commands("/src", "cpu", nothing) == [[*pip, "-e", "/src"]]
+    assert notebook.install_commands("/src", "tpu", nothing) == [[*pip, "-e", "/src", "jax[tpu]"]]
+
+
+@pytest.mark.parametrize("runtime", ["tpu", "gpu", "cpu"])
+def test_a_jax_already_there_is_left_as_it_is(runtime):
+    # A Colab runtime: its own jax (newer than jaxkit's bound), flax and etils; no optax.
+    there = {"jax": "0.12.0", "jaxlib": "0.12.0", "flax": "0.12.12", "etils": "1.5.0"}
+    first, rest = notebook.install_commands(ROOT, runtime, there.get)
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    assert first == [*pip, "--no-deps", "-e", ROOT]
+    assert rest[: len(pip)] == pip
+    wanted = rest[len(pip) :]
+    # jax is held where it is, and nothing else names it (no jax[tpu], no bounded jax).
+    held = [w for w in wanted if w.startswith("jax")]
+    assert held == ["jax==0.12.0", "jaxlib==0.12.0"]
+    assert "optax>=0.2.8,<=0.2.8" in wanted  # missing: with jaxkit's bounds
+    assert not any(w.startswith("flax") for w in wanted)  # there: left as it is
+    assert "etils[epath]" in wanted  # there, but its extra's packages may not be
+    assert "orbax-checkpoint>=0.12.8,<=0.12.8" in wanted
 
 
 def test_devices_are_the_simulated_cpus_here():
