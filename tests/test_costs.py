@@ -3,6 +3,7 @@
 import itertools
 import json
 
+import doc_blocks
 import jax
 import jax.numpy as jnp
 import optax
@@ -217,6 +218,17 @@ def test_plan_all_splits_json_and_the_text_table():
     # Everything fits 10 GiB: the largest per-device batch on all 8 devices, K = 1.
     rec = result["recommended"]
     assert (rec["data_parallel_size"], rec["per_device_batch_size"]) == (8, 4)
+
+    # docs/batch-plan.md's block, figure by figure. The compiled memory is the same under
+    # the tests' compile flags (which leave XLA's buffer assignment as it is); 0.5% is room
+    # for another jax release's scheduling of a few temporaries, well inside the 1.6% by
+    # which a larger train state once moved it unseen. FLOP counts are exact.
+    command = "jaxkit plan mlp_digits --all-splits --device-counts 8,4 --memory-budget 1MiB"
+    text = jaxkit(*command.split()[1:])
+    assert text.returncode == 0, text.stderr
+    expected = doc_blocks.shown("docs/batch-plan.md", command)
+    problems = doc_blocks.mismatches(expected, text.stdout.splitlines(), rel=0.005)
+    assert not problems, "docs/batch-plan.md is out of date:\n" + "\n".join(problems)
 
     text = jaxkit("plan", "mlp_digits", "--all-splits", "--device-counts", "8")
     assert text.returncode == 0, text.stderr
