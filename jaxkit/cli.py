@@ -220,6 +220,7 @@ def _main(argv: list[str] | None) -> int:
     from jaxkit.data import DataError
     from jaxkit.distributed import DistributedError
     from jaxkit.targets import TargetError
+    from jaxkit.workdir import WorkdirInUseError
 
     try:
         # Every command runs the config's mesh on its devices (the live ones, or a described
@@ -242,6 +243,7 @@ def _main(argv: list[str] | None) -> int:
         DistributedError,
         UsageError,
         planning.PlanError,
+        WorkdirInUseError,
     ) as err:
         return error(err)
 

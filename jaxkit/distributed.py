@@ -229,3 +229,22 @@ def check_agreement(resolved: dict) -> None:
         f"processes {odd} resolved a different config or plan than process 0 "
         "(their own errors name the first difference): every process must run the same command"
     )
+
+
+# The longest refusal process 0 hands the others (bytes of UTF-8; longer ones are cut).
+_REFUSAL_BYTES = 1024
+
+
+def process_0_refusal(refusal: str | None) -> str | None:
+    """Process 0's `refusal` (None: none) on every process, for what only process 0 checks
+    (the workdir's lock): every process then stops with it, none waits for a peer that left."""
+    if jax.process_count() == 1:
+        return refusal
+    from jax.experimental import multihost_utils
+
+    buffer = np.zeros(_REFUSAL_BYTES, np.uint8)
+    if jax.process_index() == 0 and refusal:
+        text = refusal.encode()[:_REFUSAL_BYTES]
+        buffer[: len(text)] = np.frombuffer(text, np.uint8)
+    got = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))).rstrip(b"\0")
+    return got.decode(errors="replace") or None

@@ -33,7 +33,7 @@ from jaxkit.batch_schedule import schedule_from_config
 from jaxkit.checkpoint import Checkpointer, Restored, resume
 from jaxkit.config import config_to_json
 from jaxkit.costs import StepPrograms
-from jaxkit.distributed import check_agreement
+from jaxkit.distributed import check_agreement, process_0_refusal
 from jaxkit.loop_pieces import (
     AutoRampDecision,
     BatchChange,
@@ -71,7 +71,7 @@ from jaxkit.train_step import (
     with_kernel,
 )
 from jaxkit.validate import validate
-from jaxkit.workdir import as_path
+from jaxkit.workdir import WorkdirInUseError, as_path, run_lock
 
 
 @dataclasses.dataclass
@@ -100,8 +100,53 @@ def train(
     or SIGINT, and at the end) and resumes from the workdir's latest checkpoint, also on
     another device count. `stop_after_micro_steps` stops as a preemption would, once the
     run's micro-steps in all (counted across resumes) reach it (for tests and notebooks).
+    Another run on the same workdir meanwhile is refused (WorkdirInUseError) before any work.
     """
     validate(config)  # every value, before any work (the CLI has checked them already)
+    with _one_run(workdir, echo):  # a second run on the workdir is refused here, before any work
+        return _train(
+            config,
+            workdir,
+            devices=devices,
+            progress=progress,
+            echo=echo,
+            allow_batch_change=allow_batch_change,
+            allow_longer=allow_longer,
+            stop_after_micro_steps=stop_after_micro_steps,
+        )
+
+
+@contextlib.contextmanager
+def _one_run(workdir: str | os.PathLike | None, echo: Callable[[str], None]) -> Iterator[None]:
+    """The workdir's lock, held by process 0 while the run lasts (workdir.run_lock); when
+    another run holds it, every process of this one is refused."""
+    with contextlib.ExitStack() as stack:
+        refusal = None
+        if workdir is not None and jax.process_index() == 0:
+            try:
+                unlocked = stack.enter_context(run_lock(workdir))
+            except WorkdirInUseError as err:
+                refusal = str(err)
+            else:
+                if unlocked:
+                    echo(f"warning: {unlocked}")
+        refusal = process_0_refusal(refusal) if workdir is not None else None
+        if refusal is not None:
+            raise WorkdirInUseError(refusal)
+        yield
+
+
+def _train(
+    config: ml_collections.ConfigDict,
+    workdir: str | os.PathLike | None,
+    *,
+    devices: Sequence[jax.Device] | None,
+    progress: bool,
+    echo: Callable[[str], None],
+    allow_batch_change: bool,
+    allow_longer: bool,
+    stop_after_micro_steps: int | None,
+) -> RunResult:
     profile = profiling(config, workdir)
     if jax.process_index() != 0:  # one voice: only process 0 prints and writes
         echo, progress = (lambda *args: None), False

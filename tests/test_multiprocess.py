@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxkit import distributed
+from jaxkit.workdir import LOCK_NAME, run_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = [
@@ -174,6 +175,18 @@ def test_processes_that_resolved_different_configs_stop(tmp_path):
         "process 1 resolved config.optimizer.learning_rate=0.01, process 0 0.003" in results[1][1]
     )
     assert "every process must run the same command" in results[0][1]
+
+
+def test_a_workdir_in_use_stops_every_process_of_a_second_run(tmp_path):
+    """Only process 0 takes the workdir's lock; the others hear its refusal from it, so
+    none is left waiting for a peer that has gone."""
+    with run_lock(tmp_path):  # this process is the first run
+        results = launch(tmp_path, processes=2)
+    in_use = f"jaxkit: error: {tmp_path} is in use by pid {os.getpid()} on "
+    for returncode, out in results:
+        assert returncode == 2 and in_use in out, out
+        assert "batch plan" not in out
+    assert os.listdir(tmp_path) == [LOCK_NAME]
 
 
 def test_a_peer_that_never_joins_stops_the_run_in_bounded_time(tmp_path):
