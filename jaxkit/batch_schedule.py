@@ -3,7 +3,7 @@
     batch.schedule = ""                      one stage: the plan of batch.* for the whole run
     batch.schedule = "0:64,200000:128"       stage i starts at example E_i with global batch G_i
     batch.schedule = "0:64,25Mt:128"         ... or at token T_i (a `t` suffix; E = ⌈T / seq_len⌉)
-    batch.schedule = "auto"                  K doubles when the measured noise scale says so
+    batch.schedule = "auto"                  K doubles when the sampled noise scale says so
 
 Every stage keeps the micro-batch (data_parallel × per_device rows) and changes only K, so
 memory stays flat and the MultiSteps step, which takes K as an argument, compiles once.
@@ -121,7 +121,7 @@ class BatchSchedule:
     initial_lr_fraction: float  # the first step's rate, as a fraction of the peak
     final_lr_fraction: float
     max_global_batch_size: int | None = None  # auto
-    patience: int = 0  # auto: log windows in a row with B_simple above the batch
+    patience: int = 0  # auto: noise-scale samples in a row with B_simple above the batch
     origin: tuple[int, int] = (0, 0)  # (optimizer steps, examples) where it was laid
 
     @property
@@ -421,6 +421,12 @@ def _check_auto(
             f"and the whole of it. Start with batch.global_batch_size > {SMALL_BATCH_ROWS} "
             f"(this plan has {first.global_batch_size})"
         )
+    # A config saved before train.noise_scale_every sampled every step.
+    if not config.train.get("noise_scale_every", 1):
+        raise BatchPlanError(
+            "train.noise_scale_every=0 turns off the gradient noise scale that "
+            "batch.schedule=auto decides on: sample it every N > 0 steps (default 10)"
+        )
     if config.train.get("examples") is None:
         raise BatchPlanError(
             "batch.schedule=auto decides the global batch as the run goes, so its length "
@@ -502,19 +508,19 @@ def _laid(
 
 
 def auto_decision(
-    windows_above: int,
+    samples_above: int,
     noise_scale: float | None,
     global_batch_size: int,
     patience: int,
     max_global_batch_size: int,
 ) -> tuple[int, bool]:
-    """The auto ramp's rule at the end of a log window: (windows in a row with the smoothed
-    B_simple above the global batch, whether to double K now). Never shrinks."""
+    """The auto ramp's rule at a step that sampled the noise scale: (samples in a row with
+    the smoothed B_simple above the global batch, whether to double K now). Never shrinks."""
     above = noise_scale is not None and noise_scale > global_batch_size
-    windows_above = windows_above + 1 if above else 0
-    if windows_above >= patience and 2 * global_batch_size <= max_global_batch_size:
+    samples_above = samples_above + 1 if above else 0
+    if samples_above >= patience and 2 * global_batch_size <= max_global_batch_size:
         return 0, True
-    return windows_above, False
+    return samples_above, False
 
 
 @dataclasses.dataclass
@@ -522,25 +528,27 @@ class AutoRamp:
     """The auto ramp's memory between decisions: what a checkpoint keeps so that a resumed
     run decides as the uninterrupted one would (the noise scale's averages are kept too)."""
 
-    windows_above: int = 0
+    samples_above: int = 0
     last_noise_scale: float | None = None  # what the last decision read
 
     def decide(
         self, schedule: BatchSchedule, noise_scale: float | None, done: int, examples: int
     ) -> BatchSchedule:
-        """At the end of log window `done`: `schedule`, with a doubled stage from here on
+        """At sampled step `done`: `schedule`, with a doubled stage from here on
         when the rule says so."""
         assert schedule.max_global_batch_size is not None
         g = schedule.plan_at(examples).global_batch_size
         self.last_noise_scale = noise_scale
-        self.windows_above, double = auto_decision(
-            self.windows_above, noise_scale, g, schedule.patience, schedule.max_global_batch_size
+        self.samples_above, double = auto_decision(
+            self.samples_above, noise_scale, g, schedule.patience, schedule.max_global_batch_size
         )
         return schedule.with_stage(examples, done, 2 * g) if double else schedule
 
     def state(self) -> dict:
-        return {"windows_above": self.windows_above}
+        return {"samples_above": self.samples_above}
 
     @classmethod
     def load(cls, saved: dict | None) -> AutoRamp:
-        return cls(windows_above=int((saved or {}).get("windows_above", 0)))
+        saved = saved or {}
+        # Runs saved before the ramp counted samples counted log windows, under this name.
+        return cls(samples_above=int(saved.get("samples_above", saved.get("windows_above", 0))))

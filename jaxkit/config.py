@@ -119,7 +119,7 @@ BASE_KEYS: tuple[Key, ...] = (
         "batch.auto_patience",
         3,
         POSITIVE,
-        "`auto`: log windows in a row with B_simple above the batch before K doubles",
+        "`auto`: noise-scale samples in a row with B_simple above the batch before K doubles",
         **_RESUMABLE,
     ),
     _key(
@@ -272,7 +272,19 @@ BASE_KEYS: tuple[Key, ...] = (
         "train.noise_scale_decay",
         0.95,
         FRACTION_OPEN,  # 1 divides by 1 − 1**n
-        "smoothing of the gradient noise-scale estimates, per optimizer step",
+        "smoothing of the gradient noise-scale estimates, per sample (one every "
+        "`train.noise_scale_every` steps)",
+        **_RESUMABLE,
+    ),
+    # The sample's extra one-row gradient costs a whole step's collectives on a sharded
+    # layout: taken every 10th step it stays under 2% of lm_tiny's (docs/benchmarks.md).
+    _key(
+        "train.noise_scale_every",
+        10,
+        COUNT,
+        "optimizer steps numbered N with N % every = 0 sample the gradient noise scale (an "
+        "extra one-row gradient; 0 = off): the same steps on every split",
+        added=1,  # runs saved before it sampled every step
         **_RESUMABLE,
     ),
     _key(

@@ -48,7 +48,6 @@ from jaxkit.loop_pieces import (
 )
 from jaxkit.loop_pieces import evaluate as evaluate  # importable from here, as before
 from jaxkit.metrics import RunDir
-from jaxkit.noise_scale import has_two_batch_sizes
 from jaxkit.planning import model_json
 from jaxkit.records import (
     StepInfo,
@@ -183,7 +182,7 @@ def _train(
         *profile,
         StopRequests(stop_after_micro_steps),
         Evaluation(t.eval_every, t.eval_examples, parts.eval_source),
-        AutoRampDecision(t.log_every),
+        AutoRampDecision(t.noise_scale_every),
         BatchChange(),
         checkpoints,
     ]
@@ -361,7 +360,7 @@ def _optimizer_step(run: Run) -> bool:
             run.micro = micro
             batch = run.batches.get(run)
             small = None
-            if micro == accum_steps - 1 and has_two_batch_sizes(plan.global_batch_size):
+            if micro == accum_steps - 1:  # None where this step does not sample
                 small = run.batches.small_batch_grad_sq(run)
             run.state, metrics = step_fn(run.state, batch, hyper)
             if small is not None:  # the step's last call carries it

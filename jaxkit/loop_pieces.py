@@ -30,7 +30,7 @@ from jaxkit.checkpoint import Checkpointer
 from jaxkit.config import ConfigError, config_to_json, parse_profile_steps
 from jaxkit.costs import StepPrograms
 from jaxkit.metrics import RunDir
-from jaxkit.noise_scale import SMALL_BATCH_ROWS
+from jaxkit.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes, samples_at
 from jaxkit.prefetch import Prefetcher
 from jaxkit.records import StepTracker, eval_record, format_record
 from jaxkit.resume import Start
@@ -182,6 +182,7 @@ class Batches:
         self.source, self.seed, self.setup = source, config.train.seed, setup
         self.normalisation = config.train.loss_normalisation
         self.fused = setup.accumulation is Accumulation.FUSED
+        self.noise_scale_every = config.train.noise_scale_every
         self.prefetcher = Prefetcher(self.load, depth=config.train.prefetch)
 
     def load(self, key: tuple[int, int], plan: BatchPlan) -> dict[str, jax.Array]:
@@ -224,8 +225,13 @@ class Batches:
 
     def small_batch_grad_sq(self, run: Run) -> jax.Array | None:
         """The noise scale's small-batch |gradient|² at the params the step in progress began
-        from (unchanged until its last call), dispatched before that call."""
-        setup = run.setup
+        from (unchanged until its last call), dispatched before that call; None, and nothing
+        dispatched, where the step does not sample (noise_scale.samples_at)."""
+        setup, plan = run.setup, run.step_plan
+        if not has_two_batch_sizes(plan.global_batch_size):
+            return None
+        if not samples_at(run.step + 1, self.noise_scale_every):  # run.step: steps done
+            return None
         rows = data_lib.load_small_batch(
             self.source, run.examples, SMALL_BATCH_ROWS, self.seed, setup.small_batch_sharding
         )
@@ -359,15 +365,16 @@ class Evaluation(Piece):
 
 
 class AutoRampDecision(Piece):
-    """`batch.schedule=auto`: at each log step but the last, the ramp decides on this
-    window's noise scale (hence the drain) whether the batch grows from here."""
+    """`batch.schedule=auto`: at each step that samples the noise scale but the last, the
+    ramp decides on the estimate with this sample in (hence the drain) whether the batch
+    grows from here."""
 
-    def __init__(self, log_every: int) -> None:
-        self.every = log_every
+    def __init__(self, noise_scale_every: int) -> None:
+        self.every = noise_scale_every  # > 0: batch_schedule refuses auto without samples
 
     def due(self, run: Run, at: At) -> bool:
         auto = run.schedule.kind == AUTO
-        return at == "end" and auto and run.step < run.total and run.step % self.every == 0
+        return at == "end" and auto and run.step < run.total and samples_at(run.step, self.every)
 
     def __call__(self, run: Run, at: At) -> None:
         noise = run.tracker.noise_scale.estimate().get("noise_scale")

@@ -1,4 +1,4 @@
-"""The gradient noise scale B_simple, estimated online from two gradients of every step.
+"""The gradient noise scale B_simple, estimated online from two gradients of a sampled step.
 
 McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", appendix A.1: with
 G_B the mean gradient of a batch of B rows, E|G_B|² = |G|² + tr(Σ)/B, where G is the true
@@ -18,10 +18,13 @@ of that global batch, whose gradient a call of its own takes at the step's start
 (train_step.small_batch_grad_sq). Both are fixed rows of the global batch, which is the same
 for every split (global batch i is rows perm[i·G : (i+1)·G], in that order), so the two
 squared norms, and all that is estimated from them, are the same for every split to float
-round-off, and every step with G > SMALL_BATCH_ROWS gives a sample, whatever its K. The
+round-off, and a sampled step with G > SMALL_BATCH_ROWS gives a sample, whatever its K. The
 micro-batch, which accumulation hands out for free, would not do: its size and rows follow
 the split, and a stage with K = 1 has none. The price is one forward and backward pass over
-SMALL_BATCH_ROWS rows per optimizer step, on one device where params are whole on each.
+SMALL_BATCH_ROWS rows, on one device where params are whole on each; where they are
+sharded, every device joins it and it costs the collectives of a whole step. So only the
+steps numbered N with N % train.noise_scale_every = 0 take it (`samples_at`): which steps
+depends on the step count alone, the same for every split; the others never dispatch it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,12 @@ def has_two_batch_sizes(global_batch_size: int) -> bool:
     return global_batch_size > SMALL_BATCH_ROWS
 
 
+def samples_at(step: int, every: int) -> bool:
+    """Whether optimizer step number `step` (1 for the first, as metrics.jsonl counts)
+    samples the noise scale when `train.noise_scale_every` is `every` (0: none does)."""
+    return every > 0 and step % every == 0
+
+
 def unbiased_estimates(
     small_sq: float, big_sq: float, b_small: float, b_big: float
 ) -> tuple[float, float]:
@@ -53,7 +62,7 @@ def unbiased_estimates(
 
 @dataclasses.dataclass
 class NoiseScale:
-    """Bias-corrected moving averages of |G|² and tr Σ, one update per optimizer step."""
+    """Bias-corrected moving averages of |G|² and tr Σ, one update per sample."""
 
     b_small: int
     b_big: int

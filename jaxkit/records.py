@@ -54,11 +54,12 @@ class StepTracker:
         self.plan, self.setup = plan, setup
         self.cost, self.peak = cost, peak  # compiled FLOPs per step; the devices' peak
         # The noise scale's small batch: the first rows of each global batch, whatever the
-        # split; updated by every step whose global batch is larger.
+        # split; updated by every sampled step (noise_scale.samples_at) whose global batch
+        # is larger.
         decay = config.train.noise_scale_decay
         self.noise_scale = NoiseScale(SMALL_BATCH_ROWS, plan.global_batch_size, decay)
         self.learning_rate = float("nan")
-        # This optimizer step's small-batch |gradient|², which comes with its last call.
+        # A sampled optimizer step's small-batch |gradient|², which comes with its last call.
         self.small_grad_sq: float | None = None
         self.step_nonfinite = 0
         self.log_every = config.train.log_every
@@ -169,6 +170,7 @@ class StepTracker:
         grad_norm = None if skipped_whole else float(m["grad_norm"])
         self.noise_scale.b_big = self.plan.global_batch_size
         # A step that scores nothing has a zero gradient: no sample of the noise.
+        sampled = False  # whether this step moved the estimates
         if (
             self.step_nonfinite == 0
             and grad_norm is not None
@@ -178,9 +180,10 @@ class StepTracker:
             and np.isfinite(self.small_grad_sq)
         ):
             self.noise_scale.update(self.small_grad_sq, grad_norm**2)
+            sampled = True
         self.small_grad_sq, self.step_nonfinite = None, 0
         self.in_row_at_step_start = self.nonfinite_in_row
-        record = self._record(done, grad_norm)
+        record = self._record(done, grad_norm, sampled)
         self.losses = []
         return record
 
@@ -189,7 +192,7 @@ class StepTracker:
         """Whether this stage's steps give the noise scale its second batch size."""
         return has_two_batch_sizes(self.plan.global_batch_size)
 
-    def _record(self, done: int, grad_norm: float | None) -> dict:
+    def _record(self, done: int, grad_norm: float | None, sampled: bool) -> dict:
         plan = self.plan
         step_time = statistics.mean(self.window_times) if self.window_times else self.first_step_s
         # A global batch with no scored target has no loss (0 / 0), not loss 0.
@@ -214,7 +217,8 @@ class StepTracker:
             record["tokens_seen"] = self.examples_seen * plan.seq_len
             record["tokens_per_s"] = plan.tokens_per_step / step_time
         record.update(self.utilisation(step_time))
-        record.update(self.noise_scale.estimate())
+        if sampled:  # the estimates only where a sample moved them, not repeated between
+            record.update(self.noise_scale.estimate())
         return record
 
     def utilisation(self, step_time: float | None) -> dict:

@@ -285,9 +285,9 @@ def test_a_ramped_run_resumes_across_stage_boundaries_on_other_device_counts(tmp
     assert (row["devices"], row["global_batch"], row["accum"]) == (8, 128, 4)
 
 
-def test_the_auto_rule_doubles_after_patience_windows_above_the_batch_and_never_shrinks():
+def test_the_auto_rule_doubles_after_patience_samples_above_the_batch_and_never_shrinks():
     windows, g, sizes = 0, 32, []
-    # B_simple estimates at the ends of successive log windows (None: not yet measured).
+    # B_simple estimates at successive sampled steps (None: not yet measured).
     for noise in [None, 50, 20, 40, 41, 45, 60, 70, 100, 130, 140, 150, 10, 10, 300, 300, 300]:
         windows, double = auto_decision(windows, noise, g, patience=3, max_global_batch_size=128)
         if double:
@@ -309,6 +309,7 @@ def auto(*overrides):
         "train.steps=null",
         "train.examples=2560",
         "train.log_every=2",
+        "train.noise_scale_every=2",  # decides every 2nd step, on that step's sample
         "train.eval_every=0",
         "train.eval_examples=64",
         *overrides,
@@ -339,8 +340,8 @@ def test_a_resumed_auto_run_makes_the_same_decisions(tmp_path):
     whole = quiet(auto(), workdir=tmp_path / "whole")
     work = tmp_path / "stopped"
     # Mid-step stops in steps 3, 7 and 11: the first two resume from checkpoints taken one
-    # window above the batch into the patience of 2 (mlp_digits' B_simple is ~90 early, above
-    # 32 and 64), so a resume that forgot that window would double a window late.
+    # sample above the batch into the patience of 2 (mlp_digits' B_simple is ~90 early, above
+    # 32 and 64), so a resume that forgot that sample would double a sample late.
     for stop_at in (5, 18, 41):
         assert quiet(auto(), workdir=work, stop_after_micro_steps=stop_at).stopped
     last = quiet(auto(), workdir=work)
@@ -372,6 +373,19 @@ def test_auto_needs_two_batch_sizes_a_maximum_it_can_reach_and_a_length_in_examp
         schedule_from_config(auto("batch.schedule="), SHAPE_8)
     with pytest.raises(BatchPlanError, match="give it"):
         schedule_from_config(auto("batch.max_global_batch_size=null"), SHAPE_8)
+
+
+def test_auto_without_noise_scale_samples_is_refused_in_one_line_before_any_work(tmp_path):
+    from cli_run import jaxkit  # in-process: what the command prints and writes
+
+    work = tmp_path / "run"
+    line = ["train", "mlp_digits", "batch.global_batch_size=32", "batch.schedule=auto"]
+    line += ["batch.max_global_batch_size=64", "train.steps=null", "train.examples=320"]
+    out = jaxkit(*line, "train.noise_scale_every=0", "--workdir", str(work))
+    # Refused where the batch plan is made: after the workdir is named, before it is made.
+    assert out.returncode == 2 and out.stdout == f"workdir: {work}\n" and not work.exists(), out
+    assert out.stderr.startswith("jaxkit: error: train.noise_scale_every=0 turns off")
+    assert out.stderr.count("\n") == 1, out.stderr
 
 
 def test_plan_prints_the_stage_table_and_json():

@@ -7,13 +7,16 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_equivalence import STEPS, reference_for, small_config
 
 from jaxkit import data as data_lib
+from jaxkit import loop_pieces
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.loop import train
+from jaxkit.metrics import read_metrics
 from jaxkit.models import build_model, cross_entropy
 from jaxkit.noise_scale import SMALL_BATCH_ROWS, NoiseScale, unbiased_estimates
 from jaxkit.train_step import build
@@ -120,33 +123,67 @@ def test_the_small_batch_is_the_first_row_of_the_global_batch(mesh):
     assert got != pytest.approx(float(optax.tree.norm(jax.grad(loss)(params, other)) ** 2))
 
 
-def test_a_run_logs_the_noise_scale_and_the_summary_names_it(tmp_path):
+ESTIMATES = ("grad_sq_estimate", "grad_var_estimate", "noise_scale")
+
+
+def test_only_sampled_steps_take_the_small_gradient_and_log_the_noise_scale(tmp_path, monkeypatch):
+    """train.noise_scale_every=3 over 7 steps logged every step: the small batch is loaded
+    and its gradient dispatched for steps 3 and 6 alone, and only their records, in
+    metrics.jsonl and TensorBoard, carry the estimates; the summary names the last."""
+    loads = []
+    real = loop_pieces.data_lib.load_small_batch
+
+    def counted(source, first, *args):
+        loads.append(first)  # the stream example the sampled step starts at
+        return real(source, first, *args)
+
+    monkeypatch.setattr(loop_pieces.data_lib, "load_small_batch", counted)
     config = load_config("mlp_digits")
     apply_overrides(
         config,
-        ["batch.per_device_batch_size=1", "train.steps=6", "train.log_every=2"],
-    )  # 8 × 1 × 4: micro-batches of 8 rows against a global batch of 32
-    result = train(config, progress=False, echo=lambda *a: None)
-    logged = [r for r in result.records if "loss" in r]
-    assert all("grad_var_estimate" in r and "grad_sq_estimate" in r for r in logged)
+        [
+            "batch.per_device_batch_size=1",  # 8 × 1 × 4: micro-batches of 8 rows of 32
+            "train.steps=7",
+            "train.log_every=1",
+            "train.eval_every=0",
+            "train.noise_scale_every=3",
+        ],
+    )
+    result = train(config, tmp_path, progress=False, echo=lambda *a: None)
+    assert loads == [2 * 32, 5 * 32]  # steps 3 and 6 start after 2 and 5 global batches
+    logged = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in logged] == list(range(1, 8))
+    assert [r["step"] for r in logged if "grad_sq_estimate" in r] == [3, 6]
+    assert all(any(k in r for k in ESTIMATES) == (r["step"] % 3 == 0) for r in logged)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    for tag in ("noise_scale/grad_sq", "noise_scale/grad_var"):
+        assert [e.step for e in events.Scalars(tag)] == [3, 6]
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 8))
     s = result.summary
+    assert (s["grad_sq_estimate"], s["grad_var_estimate"]) == (
+        logged[5]["grad_sq_estimate"],
+        logged[5]["grad_var_estimate"],
+    )
     assert s["grad_var_estimate"] > 0 and s["grad_sq_estimate"] > 0
     assert s["noise_scale"] == pytest.approx(s["grad_var_estimate"] / s["grad_sq_estimate"])
 
 
 @pytest.mark.parametrize("accumulation", ["multisteps", "fused"])
 def test_logged_noise_scale_matches_one_computed_from_micro_batch_gradients(accumulation):
-    """8 devices × 1 row × K = 4 for five adamw steps; every logged estimate recomputed here.
+    """8 devices × 1 row × K = 4 for five adamw steps, sampling steps 2 and 4; every logged
+    estimate recomputed here.
 
     The params of each step come from the plain optax full-batch reference of
     test_equivalence (the same trajectory up to round-off); each step's gradients at those
     params are taken here with jax.grad, of its first row (the small batch, B_small = 1, in
     both modes) and of its 32 rows (the big batch). Then appendix A.1 of McCandlish et
     al.: unbiased |G|² and tr Σ per step, an exponential moving average of each (decay d,
-    from zero), divided by 1 − dⁿ after n steps.
+    from zero) over the sampled steps alone, divided by 1 − dⁿ after n samples.
     """
-    decay, k, global_batch = 0.8, 4, 32
+    decay, k, global_batch, every = 0.8, 4, 32, 2
     overrides = [f"train.accumulation={accumulation}", f"train.noise_scale_decay={decay}"]
+    overrides.append(f"train.noise_scale_every={every}")
     config = small_config("mlp_digits", 8, 1)
     apply_overrides(config, overrides)
     result = train(config, devices=jax.devices(), progress=False, echo=lambda *a: None)
@@ -170,7 +207,11 @@ def test_logged_noise_scale_matches_one_computed_from_micro_batch_gradients(accu
 
     b_small = SMALL_BATCH_ROWS
     grad_sq_avg = trace_avg = 0.0
+    samples = 0
     for step, record in enumerate(logged):
+        if record["step"] % every:  # not sampled: no estimate logged, none moved
+            assert not any(key in record for key in ESTIMATES), record
+            continue
         params = trajectory[step]  # before this step's update
         rows = source[data_lib.global_batch_rows(step, global_batch, len(source), 0)]
         x, y = rows["inputs"], rows["targets"]
@@ -180,12 +221,14 @@ def test_logged_noise_scale_matches_one_computed_from_micro_batch_gradients(accu
         trace = (small_sq - big_sq) / (1 / b_small - 1 / global_batch)
         grad_sq_avg = decay * grad_sq_avg + (1 - decay) * g2
         trace_avg = decay * trace_avg + (1 - decay) * trace
-        correction = 1 - decay ** (step + 1)
+        samples += 1
+        correction = 1 - decay**samples
         expected_g2, expected_trace = grad_sq_avg / correction, trace_avg / correction
         assert record["grad_sq_estimate"] == pytest.approx(expected_g2, rel=NOISE_RTOL)
         assert record["grad_var_estimate"] == pytest.approx(expected_trace, rel=NOISE_RTOL)
         assert expected_g2 > 0  # so B_simple is defined and logged
         assert record["noise_scale"] == pytest.approx(expected_trace / expected_g2, rel=NOISE_RTOL)
+    assert samples == STEPS // every
 
 
 def _train_records(overrides, devices):
@@ -208,16 +251,17 @@ def test_the_auto_ramp_decides_the_same_on_every_split():
     With the small batch a micro-batch, as it was, the 8-device split had none (K = 1) and
     the others measured B_simple from 16 and 8 rows: other numbers, other decisions.
     """
-    auto = ["batch.global_batch_size=32", "batch.schedule=auto"]
+    auto = ["batch.global_batch_size=32", "batch.schedule=auto", "train.noise_scale_every=2"]
     auto += ["batch.max_global_batch_size=128", "batch.auto_patience=1", "train.examples=640"]
     runs = {n: _train_records(SPLIT + auto, n) for n in SPLIT_DEVICES}
     first = runs[SPLIT_DEVICES[0]]
     batches = [r["global_batch_size"] for r in first]
-    # The rule, applied here to the logged B_simple, gives every step's batch; and this run
-    # both doubles and holds, so a flipped decision would show.
+    # The rule, applied here to the logged B_simple at each sampled (even) step, gives every
+    # step's batch; and this run both doubles and holds, so a flipped decision would show.
     for record, nxt in zip(first, batches[1:], strict=False):
         g = record["global_batch_size"]
-        above = record.get("noise_scale", 0) > g  # none while the |G|² estimate is ≤ 0
+        # None while the |G|² estimate is ≤ 0, and at the odd steps, which do not sample.
+        above = record["step"] % 2 == 0 and record.get("noise_scale", 0) > g
         assert nxt == (2 * g if above and 2 * g <= 128 else g)
     held = [a == b < 128 for a, b in itertools.pairwise(batches)]
     assert len(set(batches)) == 3 and any(held), batches
@@ -237,11 +281,14 @@ def test_the_auto_ramp_decides_the_same_on_every_split():
 
 
 def test_a_scheduled_ramp_reports_the_same_noise_scale_on_every_split():
-    """32 rows, then 64 from example 96: K 1 → 2 on 8 devices, 4 → 8 on 2. A stage with
-    K = 1 used to add nothing to the estimate (B_simple 43 against 3 in the report)."""
-    ramp = ["batch.schedule=0:32,96:64", "train.examples=352"]
+    """32 rows, then 64 from example 96: K 1 → 2 on 8 devices, 4 → 8 on 2, sampling every
+    second step: the same steps sample on both splits, and give the same estimates. A stage
+    with K = 1 used to add nothing to the estimate (B_simple 43 against 3 in the report)."""
+    ramp = ["batch.schedule=0:32,96:64", "train.examples=352", "train.noise_scale_every=2"]
     runs = {n: _train_records(SPLIT + ramp, n) for n in (8, 2)}
     assert [r["global_batch_size"] for r in runs[8]] == [32, 32, 32, 64, 64, 64, 64]
+    for records in runs.values():
+        assert [r["step"] for r in records if "grad_sq_estimate" in r] == [2, 4, 6]
     for key in ("loss", "grad_sq_estimate", "grad_var_estimate", "noise_scale"):
         np.testing.assert_allclose(
             [r.get(key, np.nan) for r in runs[2]],

@@ -4,7 +4,7 @@ each on the same number of examples.
 The small batch is the config's global batch G; the large one 4G; the scheduled ramp runs
 G for the first quarter of the examples, 2G for the second and 4G for the rest; the auto
 ramp starts at G and doubles K (up to 4G) when the smoothed noise scale B_simple stays
-above the batch for batch.auto_patience log windows. Every run keeps the per-device batch
+above the batch for batch.auto_patience samples of it. Every run keeps the per-device batch
 (only K changes), so they share one micro-batch and one compiled step shape; each stage's
 peak learning rate follows --lr-scaling (default: the config's rule) from the config's rate
 at G. Reported: loss against examples and against optimizer steps, the optimizer steps each
@@ -130,7 +130,7 @@ def run(request: Request) -> pathlib.Path:
             "examples": np.array([r["examples_seen"] for r in records]),
             "loss": np.array([r["loss"] for r in records], dtype=float),  # null: NaN
             "batch": np.array([r["global_batch_size"] for r in records]),
-            "noise_scale": records[-1].get("noise_scale"),
+            "noise_scale": result.summary.get("noise_scale"),  # the last sample's
             "wall_s": result.summary["wall_time_s"],
         }
 

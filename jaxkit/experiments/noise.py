@@ -30,7 +30,10 @@ DEFAULT_STEPS = 100
 
 
 def run(request: Request) -> pathlib.Path:
-    config = request.config
+    # Every step samples: the experiment is about the estimate, which gets the most samples
+    # this way (a run trains with one in train.noise_scale_every steps, for speed).
+    config = request.config.copy_and_resolve_references()
+    config.train.noise_scale_every = 1
     devices, _, plan, steps = preamble(request, DEFAULT_STEPS)
     if not has_two_batch_sizes(plan.global_batch_size):
         raise ExperimentError(
@@ -53,8 +56,8 @@ def run(request: Request) -> pathlib.Path:
             f"{plan.per_device_batch_size}×{plan.grad_accum_steps} = global batch "
             f"{plan.global_batch_size}, {steps} optimizer steps. Small batch: the first "
             f"{SMALL_BATCH_ROWS} row(s) of each global batch, the same for every split; "
-            f"big batch: the {plan.global_batch_size}-row accumulated gradient. Estimates "
-            f"smoothed with decay {config.train.noise_scale_decay}."
+            f"big batch: the {plan.global_batch_size}-row accumulated gradient, both at "
+            f"every step. Estimates smoothed with decay {config.train.noise_scale_decay}."
         )
         note = params_note(config)
         if note:
