@@ -11,7 +11,8 @@ A plan for a described TPU slice (`--target`) cannot use JAX's cache: an executa
 compiled for a topology without a TPU client is written but cannot be read back. What a
 plan needs from each compile (its memory and FLOP counts, or the compiler's refusal) is
 kept instead, in `$JAXKIT_CACHE_DIR/plans`, keyed by the lowered program, the target's
-devices and the jax and libtpu versions.
+devices, the jax and libtpu versions and the compiler flags (XLA_FLAGS, LIBTPU_INIT_ARGS
+and `--xla*` arguments, less the dump and debug flags JAX's own cache key leaves out).
 
 The caches never make a run fail: a directory that cannot be written, an entry that cannot
 be read, or a full disk costs one warning line and a normal compile.
@@ -195,7 +196,8 @@ def cache_events() -> Iterator[CacheEvents]:
 
 
 def plan_key(lowered_text: str, devices: Any) -> str:
-    """The key of a target plan's compile: the program, the chips and the compilers."""
+    """The key of a target plan's compile: the program, the chips, the compilers and the
+    flags they were given."""
     import jax
 
     try:
@@ -206,10 +208,30 @@ def plan_key(lowered_text: str, devices: Any) -> str:
         libtpu = "none"
     chips = f"{len(devices)}x{devices[0].device_kind}" if len(devices) else "0"
     digest = hashlib.sha256()
-    for part in (lowered_text, chips, jax.__version__, libtpu):
+    for part in (lowered_text, chips, jax.__version__, libtpu, *compiler_flags()):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def compiler_flags() -> list[str]:
+    """The compiler flags a compile depends on, as JAX's own cache key takes them: those of
+    XLA_FLAGS, LIBTPU_INIT_ARGS and the command line's `--xla*` arguments (and any prefix
+    given to jax's `cache_key.add_flag_prefixes`), sorted, less the dump and debug flags JAX
+    leaves out of its key (`xla_flags_to_exclude_from_cache_key`), which change no figure."""
+    try:
+        from jax._src import cache_key
+
+        excluded = set(cache_key.xla_flags_to_exclude_from_cache_key)
+        prefixes = ["--xla", *cache_key.get_flag_prefixes()]
+    except (ImportError, AttributeError):  # moved in another jax: every flag counts, so a
+        excluded, prefixes = set(), ["--xla"]  # plan may compile again, but never reads wrong
+    flags = [
+        *os.environ.get("XLA_FLAGS", "").split(),
+        *os.environ.get("LIBTPU_INIT_ARGS", "").split(),
+        *(arg for arg in sys.argv if arg.startswith(tuple(prefixes))),
+    ]
+    return sorted(flag for flag in flags if flag.split("=")[0] not in excluded)
 
 
 def read_plan(key: str) -> dict | None:

@@ -7,12 +7,14 @@ each run below is a fresh `python -m jaxkit` with its own JAXKIT_CACHE_DIR.
 
 import concurrent.futures
 import errno
+import hashlib
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import tempfile
+import types
 import warnings
 
 import jax
@@ -232,8 +234,8 @@ def test_a_user_set_jax_cache_directory_wins(monkeypatch, tmp_path):
 TARGET_PLAN = ["lm_tiny", *SMALL_LM, "batch.global_batch_size=8", "batch.per_device_batch_size=1"]
 
 
-def plan_json(capsys, *args):
-    line = ["plan", *TARGET_PLAN, "--target", "v5litepod-8", "--json", "--all-splits", *args]
+def plan_json(capsys, *args, target="v5litepod-8"):
+    line = ["plan", *TARGET_PLAN, "--target", target, "--json", "--all-splits", *args]
     assert cli_lib.main(line) == 0
     return json.loads(capsys.readouterr().out)
 
@@ -256,6 +258,12 @@ def test_a_second_target_plan_compiles_nothing(monkeypatch, tmp_path, capsys):
         for key in ("compile_s", "trace_s"):
             a.pop(key), b.pop(key)
     assert first == second
+    # Other chips of the same layout (a v6e-8 is 2x4 as well) compile for themselves: v5e's
+    # figures read for them would be off.
+    v6e = plan_json(capsys, target="v6e-8")
+    assert compiles and not v6e["splits"][0]["compile_cache_hit"]
+    assert v6e["splits"][0]["memory_bytes"] != first["splits"][0]["memory_bytes"]
+    compiles.clear()
     # Damaged entries are compiled again, with one warning line, and the same figures.
     for entry in (tmp_path / "plans").glob("*.json"):
         entry.write_text("{not json")
@@ -271,6 +279,46 @@ def test_a_second_target_plan_compiles_nothing(monkeypatch, tmp_path, capsys):
     )
     assert compile_cache.plans_enabled is False
     assert all(compile_cache.read_plan(e.stem) is None for e in (tmp_path / "plans").glob("*.json"))
+
+
+def test_the_plan_key_holds_the_compiler_flags_that_jax_keys_its_own_cache_on(monkeypatch):
+    """XLA_FLAGS, LIBTPU_INIT_ARGS and `--xla*` arguments change what the TPU compiler
+    allocates, so a plan made under other flags compiles again; the dump and debug flags
+    JAX's own cache key leaves out change nothing. Held against JAX's own rule: two settings
+    give one plan key exactly when they give JAX's flag hash one value."""
+    from jax._src import cache_key
+
+    chips = [types.SimpleNamespace(device_kind="TPU v5 lite")] * 8
+    settings = {
+        "none": ({}, []),
+        "tests'": ({"XLA_FLAGS": "--xla_backend_optimization_level=0"}, []),
+        "dumped": ({"XLA_FLAGS": "--xla_dump_to=/tmp/d --xla_dump_hlo_as_text"}, []),
+        "dumped too": ({"XLA_FLAGS": "--xla_dump_to=/tmp/e"}, ["--xla_dump_hlo_pass_re=.*"]),
+        "libtpu": ({"LIBTPU_INIT_ARGS": "--xla_tpu_enable_latency_hiding_scheduler=false"}, []),
+        "xla": ({"XLA_FLAGS": "--xla_tpu_enable_latency_hiding_scheduler=false"}, []),
+        "argv": ({}, ["--xla_tpu_enable_latency_hiding_scheduler=false"]),
+        "two": ({"XLA_FLAGS": "--xla_a=1 --xla_b=2"}, []),
+        "two swapped": ({"XLA_FLAGS": "--xla_b=2", "LIBTPU_INIT_ARGS": "--xla_a=1"}, []),
+        "other value": ({"XLA_FLAGS": "--xla_a=1 --xla_b=3"}, []),
+    }
+    plan_keys, jax_keys = {}, {}
+    for name, (env, argv) in settings.items():
+        for variable in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):
+            monkeypatch.delenv(variable, raising=False)
+        for variable, value in env.items():
+            monkeypatch.setenv(variable, value)
+        monkeypatch.setattr(sys, "argv", ["jaxkit", "plan", *argv])
+        plan_keys[name] = compile_cache.plan_key("module @step {}", chips)
+        digest = hashlib.sha256()
+        cache_key._hash_xla_flags(digest, cache_key.get_flag_prefixes())
+        jax_keys[name] = digest.hexdigest()
+    same = {(a, b) for a in settings for b in settings if plan_keys[a] == plan_keys[b]}
+    assert same == {(a, b) for a in settings for b in settings if jax_keys[a] == jax_keys[b]}
+    assert plan_keys["none"] == plan_keys["dumped"] == plan_keys["dumped too"]
+    # Where a flag is given is no matter.
+    assert plan_keys["libtpu"] == plan_keys["xla"] == plan_keys["argv"]
+    assert plan_keys["two"] == plan_keys["two swapped"]
+    assert len({plan_keys[n] for n in ("none", "tests'", "libtpu", "two", "other value")}) == 5
 
 
 def test_a_refusal_is_cached_as_a_refusal(monkeypatch, tmp_path):
