@@ -161,6 +161,47 @@ def test_a_resume_may_change_exactly_the_keys_declared_resumable():
     assert resumable("mesh.some_older_axis") and not resumable("model.some_older_size")
 
 
+# What a resume may change, whatever the model: where the run happens (the mesh), how the
+# global batch is split and how it grows, what is logged, evaluated and saved, the input's
+# prefetch, and the run's length and global batch, which have checks of their own
+# (--allow-longer, --allow-batch-change). Written out, not read from the declarations: a
+# key marked resumable by mistake (model.norm_eps: a resume without the override would go
+# on as another model) shows here.
+RESUMABLE_EVERYWHERE = {
+    "name",
+    *("mesh.data", "mesh.fsdp", "mesh.tensor"),
+    *("batch.global_batch_size", "batch.per_device_batch_size", "batch.grad_accum_steps"),
+    *("batch.schedule", "batch.max_global_batch_size", "batch.auto_patience"),
+    *("train.steps", "train.examples", "train.accumulation", "train.prefetch"),
+    *("train.log_every", "train.eval_every", "train.eval_examples", "train.profile_steps"),
+    *("train.noise_scale_every", "train.noise_scale_decay", "train.max_nonfinite_in_row"),
+    *("checkpoint.every", "checkpoint.keep"),
+}
+# How a language model computes the same function: recomputation, the attention kernel,
+# the loss's chunks; and for a Llama the weights it started from (a resume reads its own).
+LM_RESUMABLE = {"model.remat", "model.attention", "model.loss_chunk_tokens"}
+RESUMABLE = {
+    "transformer": RESUMABLE_EVERYWHERE | LM_RESUMABLE,
+    "llama": RESUMABLE_EVERYWHERE | LM_RESUMABLE | {"model.init_from"},
+    "mlp": RESUMABLE_EVERYWHERE,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"), [("lm_tiny", "transformer"), ("llama_tiny", "llama"), ("mlp_digits", "mlp")]
+)
+def test_a_resume_may_change_these_keys_of_each_model_kind_and_no_other(name, kind):
+    from jaxkit.checkpoint import config_conflicts
+    from jaxkit.config import BASE_KEYS, KIND_KEYS, flatten
+
+    config = load_config(name)
+    assert config.model.kind == kind
+    saved = flatten(config.to_dict())
+    declared = {k.name for k in BASE_KEYS} | {k.name for k in KIND_KEYS[kind]} | saved.keys()
+    changeable = {key for key in declared if not config_conflicts(saved, saved | {key: "other"})}
+    assert changeable == RESUMABLE[kind]
+
+
 def test_a_run_saved_before_a_key_existed_ran_as_its_added_default():
     from jaxkit.checkpoint import config_conflicts
     from jaxkit.config import ADDED_DEFAULTS
@@ -195,3 +236,40 @@ def test_an_option_the_kind_declares_can_be_set_where_the_config_file_leaves_it_
     # A key another kind declares stays unknown here.
     with pytest.raises(ConfigError, match=r"unknown config key 'model\.loss_chunk_tokens'"):
         apply_overrides(load_config("mlp_digits"), ["model.loss_chunk_tokens=64"])
+
+
+ROPE_SCALING = (
+    'model.rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, '
+    '"original_max_position_embeddings": 8192}'
+)
+
+
+def test_a_field_of_a_dict_key_sets_the_value_given_whole_before_it_on_the_line():
+    """docs/models-at-scale.md's `model.rope_scaling.factor=16.0` after the whole value on
+    the same line: the keys were listed before any override applied, so the field was an
+    unknown key wherever it came."""
+    from cli_run import jaxkit
+
+    config = load_config("llama_tiny")  # model.rope_scaling is null here
+    apply_overrides(config, [ROPE_SCALING, "model.rope_scaling.factor=16.0"])
+    assert config.model.rope_scaling.to_dict() == {
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    # Through the command line: the field is applied, and then checked (a factor below 1
+    # is refused as a factor, in one line).
+    done = jaxkit("plan", "llama_tiny", ROPE_SCALING, "model.rope_scaling.factor=0.5")
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2 and "'factor': 0.5" in line and "factor ≥ 1" in line, line
+    # A field of a null value, or before the whole value that replaces it, is refused.
+    done = jaxkit("plan", "llama_tiny", "model.rope_scaling.factor=16.0")
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2, line
+    assert line.startswith("jaxkit: error: model.rope_scaling is null: set it whole as JSON first")
+    with pytest.raises(ConfigError, match=r"comes before model\.rope_scaling on the line"):
+        line = ["model.rope_scaling.factor=2.0", ROPE_SCALING]  # as the CLI applies a line
+        apply_overrides(load_config("llama_tiny"), line, held=[])
+    with pytest.raises(ConfigError, match="is null"):
+        apply_overrides(config, ["model.rope_scaling=null", "model.rope_scaling.factor=2.0"])
