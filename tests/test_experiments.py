@@ -2,7 +2,9 @@
 
 import re
 
+import doc_blocks
 import pytest
+from cli_run import jaxkit
 
 from jaxkit import experiments
 from jaxkit.config import apply_overrides, load_config
@@ -28,10 +30,10 @@ def _rows(report: str, first_header: str) -> list[list[str]]:
 
 
 def test_equivalence_overlays_the_seed_splits_and_finds_them_equal(tmp_path):
-    path = experiments.run(
-        "equivalence", _digits(), tmp_path, experiments.Options(steps=3), echo=lambda s: None
-    )
-    report = path.read_text()
+    command = "jaxkit experiment equivalence mlp_digits --steps 10"
+    out = jaxkit(*command.split()[1:], "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "report.md").read_text()
     rows = _rows(report, "split")
     assert [r[0] for r in rows] == ["1×32×1", "4×8×1", "2×8×2", "1×8×4"]
     # The kit's equivalence tolerance (tests/test_equivalence.py): 2e-6 relative loss.
@@ -39,6 +41,32 @@ def test_equivalence_overlays_the_seed_splits_and_finds_them_equal(tmp_path):
     assert all(r[6].endswith("KiB") for r in rows)  # compiled memory per device
     assert (tmp_path / "loss_curves.png").stat().st_size > 0
     assert "Partial" not in report
+    # The command prints the table report.md holds.
+    table = [line for line in report.splitlines() if line.startswith("|")]
+    printed = out.stdout.splitlines()
+    assert printed[-len(table) - 1 : -1] == table
+    assert printed[-1] == f"report: {(tmp_path / 'report.md').resolve()}"
+
+    # docs/experiments.md's block, line by line, paths aside. Final losses within 2e-6
+    # relative: the tests' compile flags may reorder float32 sums, as the splits do; the
+    # differences are round-off, held under that tolerance; memory within 0.5%, as in
+    # docs/batch-plan.md; the step times are one machine's, which the page says.
+    shown = doc_blocks.shown("docs/experiments.md", command)
+    assert len(shown) == len(printed)
+    for expected, line in zip(shown, printed, strict=True):
+        if not expected.startswith("| ") or expected.startswith("| split"):
+            head = expected.split(" /", 1)[0]  # up to the output directory, whose path varies
+            assert doc_blocks.same_line(head, line.split(" /", 1)[0], 2e-6), (expected, line)
+            continue
+        want, got = _cells(expected), _cells(line)
+        assert got[0] == want[0]
+        assert float(got[1]) == pytest.approx(float(want[1]), rel=2e-6), (expected, line)
+        assert float(want[3]) < 2e-6 and float(got[3]) < 2e-6
+        assert _kib(got[6]) == pytest.approx(_kib(want[6]), rel=0.005), (expected, line)
+
+
+def _cells(row: str) -> list[str]:
+    return [cell.strip() for cell in row.strip("|").split("|")]
 
 
 def _kib(cell: str) -> float:

@@ -21,6 +21,7 @@ from jaxkit.experiments.common import (
     check_global_batch,
     check_splits,
     drive,
+    markdown_table,
     new_figure,
     params_note,
     parse_splits,
@@ -54,6 +55,7 @@ def run(request: Request) -> pathlib.Path:
     meshes = {split: split_mesh(config, split) for split in splits}  # all refused up front
     check_splits(config, splits, devices, steps)
     results: dict[Split, dict[str, Any]] = {}
+    summary = ""  # the report's table of splits, which the command also prints
 
     def do_unit(split: Split) -> None:
         result = train_split(config, split, devices, steps)
@@ -66,6 +68,7 @@ def run(request: Request) -> pathlib.Path:
         echo(f"  {split.name}: final loss {results[split]['losses'][-1]:.6f}")
 
     def render(report: Report) -> None:
+        nonlocal summary
         report.text(
             f"Config `{config.get('name')}`, global batch {g}, {steps} optimizer steps per "
             "split, same seed and data order. A split is devices × per_device_batch_size × "
@@ -106,7 +109,7 @@ def run(request: Request) -> pathlib.Path:
                     format_bytes(r["memory"]) if r["memory"] else "-",
                 )
             )
-        report.table(
+        summary = markdown_table(
             (
                 "split",
                 "final loss",
@@ -118,6 +121,7 @@ def run(request: Request) -> pathlib.Path:
             ),
             rows,
         )
+        report.text(summary)
         compute = config.model.get("compute_dtype", "float32")
         eps = F32_EPS if compute == "float32" else 2.0**-7  # bfloat16: 8 significant bits
         report.text(
@@ -139,4 +143,6 @@ def run(request: Request) -> pathlib.Path:
         report.figure(fig, "loss_curves.png", f"Loss curves of every split of {g}, overlaid")
 
     report = Report(request.out, f"Equivalence: the splits of a global batch of {g}")
-    return drive(report, splits, do_unit, render, "splits", echo)
+    path = drive(report, splits, do_unit, render, "splits", echo)
+    echo(summary)
+    return path
