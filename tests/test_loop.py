@@ -1,6 +1,7 @@
-"""The loop's evaluation: every held-out row, once, whatever the split; and the peak its
-MFU divides by."""
+"""The loop's evaluation: every held-out row, once, whatever the split; the last step's
+record and eval whatever the periods; and the peak its MFU divides by."""
 
+import json
 import types
 
 import jax
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cli_run import jaxkit
 from flax import nnx
 from small_configs import SMALL_LM
 
@@ -17,6 +19,7 @@ from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import make_sources
 from jaxkit.loop import evaluate, train
 from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.metrics import read_metrics
 from jaxkit.models import build_model
 from jaxkit.train_step import build
 
@@ -85,6 +88,26 @@ def test_eval_examples_beyond_the_held_out_split_reads_it_all_and_says_so():
     np.testing.assert_allclose(
         result["eval_loss"], evaluate(setup, state.params, eval_source, plan, 0)["eval_loss"]
     )
+
+
+def test_the_last_step_is_logged_and_evaluated_when_the_periods_do_not_divide_the_run(tmp_path):
+    """7 steps, a record and an eval every 3: steps 3 and 6, and 7, the last, whose loss
+    and eval the summary reports (not step 6's)."""
+    periods = ["train.steps=7", "train.log_every=3", "train.eval_every=3", "checkpoint.every=0"]
+    out = jaxkit("train", "mlp_digits", *periods, "--workdir", str(tmp_path), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    records = read_metrics(tmp_path)
+    trained = {r["step"]: r for r in records if "loss" in r}
+    evals = {r["step"]: r for r in records if "eval_loss" in r}
+    assert list(trained) == list(evals) == [3, 6, 7]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 7
+    assert summary["final_loss"] == trained[7]["loss"]
+    assert (summary["eval_loss"], summary["eval_accuracy"]) == (
+        evals[7]["eval_loss"],
+        evals[7]["eval_accuracy"],
+    )
+    assert f"eval loss {evals[7]['eval_loss']:.4f}" in out.stdout
 
 
 def test_mfu_divides_by_the_peak_of_the_compute_dtype_off_cpu(monkeypatch):
