@@ -328,6 +328,34 @@ def model_facts(config: ml_collections.ConfigDict) -> dict:
     return {"param_count": param_count(config), **contract(config).facts(config)}
 
 
+def _above_the_peak(s: dict) -> list[str]:
+    """The line that says why a utilisation above 100% is no share of the peak, if any."""
+    if s.get("hfu", 0) > 1 and "measured on" in s.get("peak_source", ""):
+        # A peak cached while the machine was busier than now reads low ever after.
+        return [
+            "  warning: above 100% of the peak: the CPU peak was cached while this machine "
+            "was busier; delete cpu_peak.json in the cache directory to measure it again"
+        ]
+    if s.get("hfu", 0) > 1:
+        return [
+            f"  warning: above 100% of the peak: {s['peak_source']} is below what this device "
+            "ran, so MFU and HFU compare with no other run"
+        ]
+    if s.get("mfu", 0) > 1:  # and HFU is not: the FLOPs counted outnumber the matmuls run
+        run = s["hardware_flops_per_step"]
+        counted = (
+            f"are {s['model_flops_per_step'] / run:.2f}× the matmul FLOPs the step runs"
+            if run
+            else "are more than the step runs (it runs no matmul)"
+        )
+        return [
+            "  MFU above 100% is no share of the peak and compares with no other run: the model "
+            f"FLOPs counted {counted} (a model of your own counts 6 × all its params per token, "
+            "lookups too); HFU is the share that ran"
+        ]
+    return []
+
+
 def format_summary(s: dict) -> str:
     steps, wall = s["steps"], s.get("wall_time_s")
     took = "" if wall is None else f" in {wall:.1f} s"  # None: a summary rebuilt from the log
@@ -356,12 +384,7 @@ def format_summary(s: dict) -> str:
             f"{s['model_flops_per_step'] / s['median_step_time_s'] / 1e9:,.3g} GFLOP/s "
             f"per device{use}" + (f" of {s['peak_source']}" if "mfu" in s else "")
         )
-        if s.get("hfu", 0) > 1 and "measured on" in s.get("peak_source", ""):
-            # A peak cached while the machine was busier than now reads low ever after.
-            lines.append(
-                "  warning: above 100% of the peak: the CPU peak was cached while this machine "
-                "was busier; delete cpu_peak.json in the cache directory to measure it again"
-            )
+        lines += _above_the_peak(s)
     if "param_dtype" in s:
         lines.append(
             f"  params {s['param_count']:,} in {s['param_dtype']}, matmuls in "

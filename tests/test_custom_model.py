@@ -175,6 +175,11 @@ def test_trains_through_the_cli_from_the_current_directory(model_dir, tmp_path):
     # Untrained it guesses bytes uniformly (ln 256 = 5.5 nats); by step 12 about 0.9 below step 4.
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, losses
     assert "mesh data=2 × fsdp=2" in out.stdout
+    # 6 × all its params per token counts the embedding table, which the step reads by
+    # lookup: more model FLOPs than matmuls run, and an MFU above 100% is said to be no share.
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["model_flops_per_step"] > summary["hardware_flops_per_step"]
+    assert ("MFU above 100% is no share" in out.stdout) == (summary["mfu"] > 1), out.stdout
 
 
 @pytest.mark.filterwarnings("ignore:.*replicated on every device")

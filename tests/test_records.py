@@ -58,6 +58,36 @@ def test_a_cpu_peak_below_what_the_run_achieved_is_called_stale():
         assert ("delete cpu_peak.json" in text) is stale, text
     table = summary | {"mfu": 1.26, "hfu": 1.26, "peak_source": "H100 float32 peak from the table"}
     assert "delete cpu_peak.json" not in format_summary(table)
+    assert "H100 float32 peak from the table is below what this device ran" in format_summary(table)
+
+
+def test_an_mfu_above_100_percent_says_why_it_compares_with_nothing():
+    """docs/training.md's bigram model of your own counts 6 × all its params per token, its
+    embedding table too, which the step reads by lookup: 2.01× the matmuls it runs (a run's
+    own figures below), so it printed MFU 121% (149% on another machine) without a word."""
+    summary = {
+        "steps": 60,
+        "wall_time_s": 9.3,
+        "median_step_time_s": 0.0681,
+        "examples_per_s": 939.5,
+        "first_step_s": 0.2,
+        "eval_loss": None,
+        "skipped_micro_batches": 0,
+        "model_flops_per_step": 405012480.0,
+        "hardware_flops_per_step": 201326592.0,
+        "mfu": 1.212,
+        "hfu": 0.6025,
+        "peak_source": "f32 matmul measured on 8 CPU devices (/c/cpu_peak.json)",
+    }
+    lines = format_summary(summary).splitlines()
+    at = next(i for i, line in enumerate(lines) if "MFU 121.2% (HFU 60.2%)" in line)
+    assert lines[at + 1].startswith("  MFU above 100% is no share of the peak")
+    assert "2.01× the matmul FLOPs the step runs" in lines[at + 1]
+    assert "delete cpu_peak.json" not in "\n".join(lines)  # the peak is not what is wrong
+    below = format_summary(summary | {"mfu": 0.99, "hfu": 0.49})
+    assert "MFU above 100%" not in below
+    none_run = format_summary(summary | {"hardware_flops_per_step": 0.0, "hfu": 0.0})
+    assert "it runs no matmul" in none_run
 
 
 def _train_cli(tmp_path, docs, *overrides):
