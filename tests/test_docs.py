@@ -207,3 +207,18 @@ def test_the_suite_figures_live_in_contributing_and_readme_rounds_them():
         if path not in ("README.md", "docs/contributing.md"):
             with open(os.path.join(ROOT, path), encoding="utf-8") as f:
                 assert not re.search(r"\d+ tests in|the suite takes", f.read()), path
+
+
+def test_the_docs_name_results_files_only_as_what_a_script_writes():
+    """`.gitignore` keeps benchmarks/results/ out of every clone: a figure credited to a file
+    there points at nothing. The pages' own tables are the record; a results file is named
+    only as what a script writes."""
+    for path in pages():
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            text = f.read()
+        for found in re.finditer(r"benchmarks/results/[\w.\-]+\.json", text):
+            before = text[: found.start()]
+            assert re.search(r"writes\s+`$", before), (
+                f"{path} credits {found.group()}, which no clone has: quote the figures, and "
+                "name the file only as what the script writes"
+            )
