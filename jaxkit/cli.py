@@ -99,9 +99,12 @@ def _load_config(args: list[str], workdir: str | None = None) -> ml_collections.
 
     name, overrides = _split_args(args)
     config = load_config(name)
-    apply_overrides(config, overrides)
-    # model.init_from=hf:DIR: its architecture, or at a resume the checkpoint's
+    held: list[str] = []  # fields of a dict the config leaves null (model.rope_scaling.factor)
+    apply_overrides(config, overrides, held=held)
+    # model.init_from=hf:DIR: its architecture, or at a resume the checkpoint's, held against
+    # every override, a field of a dict against the same field of config.json's value
     apply_init_from(config, overrides, workdir)
+    apply_overrides(config, held)  # on the dict config.json gave; still null: refused
     validate(config)
     return config
 

@@ -421,12 +421,39 @@ def _add_field(config: ml_collections.ConfigDict, key: Key) -> None:
     node[leaf] = config_dict.placeholder(kind) if key.default is None else key.default
 
 
-def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
-    """Applies `dotted.key=value` overrides in place, keeping each field's type."""
+def _known_keys(config: ml_collections.ConfigDict) -> list[str]:
+    """Every key an override may name: each leaf, and each dict-valued key
+    (model.rope_scaling), which is set whole, as JSON or null, like a leaf."""
     keys = flat_keys(config)
-    # A dict-valued key (model.rope_scaling) is set whole, as JSON or null, like a leaf.
     dict_keys = {k.rsplit(".", 1)[0] for k in keys if k.count(".") > 1}
-    keys += sorted(dict_keys - set(keys))
+    return keys + sorted(dict_keys - set(keys))
+
+
+def _null_dict(config: ml_collections.ConfigDict, key: str) -> bool:
+    """Whether `key` is a dict-valued key of the config's model kind (model.rope_scaling)
+    that is null, or absent, here."""
+    declared = _optional_keys(config).get(key)
+    if declared is None or declared.type is not dict:
+        return False
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            return True  # left out: its default, null
+        node = node[part]
+    return node is None
+
+
+def apply_overrides(
+    config: ml_collections.ConfigDict, overrides: list[str], *, held: list[str] | None = None
+) -> None:
+    """Applies `dotted.key=value` overrides in place, in order, keeping each field's type.
+
+    A field of a dict-valued key (model.rope_scaling.factor=16.0) sets that field of the
+    value the key holds by then: the config file's, or one set whole earlier on the line.
+    Where that value is null, the field is refused, or, given `held`, appended to it and
+    left for later: model.init_from's config.json may give the value (cli._load_config
+    applies `held` again once apply_init_from has read it)."""
+    keys = _known_keys(config)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
@@ -436,6 +463,15 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
         if key not in keys and (optional := _optional_keys(config).get(key)) is not None:
             _add_field(config, optional)  # declared for this kind; its config left it out
             keys.append(key)
+        parent = key.rpartition(".")[0]
+        if key not in keys and _null_dict(config, parent):
+            if held is not None:
+                held.append(item)
+                continue
+            raise ConfigError(
+                f"{parent} is null: set it whole as JSON first ({parent}='{{...}}'), "
+                f"then {key}={text} sets one field"
+            )
         if key not in keys:
             raise ConfigError(f"unknown config key {key!r}{_suggest(key, keys)}")
         *parents, leaf = key.split(".")
@@ -454,9 +490,16 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
                 raise ConfigError(f"{key}={text!r}: expected a JSON object {{...}} or null")
             if kind not in (type(None), dict, ml_collections.ConfigDict):
                 raise ConfigError(f"{key}={text!r}: expected {kind.__name__}, got a JSON object")
+            early = [f for f in held or () if f.startswith(f"{key}.")]
+            if early:
+                raise ConfigError(
+                    f"{early[0]} comes before {key} on the line, which sets it whole: give "
+                    "a field after the whole value"
+                )
             if value is not None:
                 del node[leaf]  # a field typed dict or null would not take a ConfigDict
             node[leaf] = value  # a dict becomes a ConfigDict: its fields can be set one by one
+            keys = _known_keys(config)  # its fields, from here on the line (none for null)
             continue
         expected = node.get_type(leaf) if hasattr(node, "get_type") else type(current)
         if text.lower() == "none" and expected not in (str, type(None)):

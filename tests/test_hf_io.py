@@ -404,8 +404,8 @@ SMOLLM2_SHAPED = {
 }
 
 
-def test_the_smollm2_config_takes_its_architecture_and_plans(tmp_path):
-    directory = tmp_path / "SmolLM2-135M"
+def write_smollm2_shaped(directory):
+    """SMOLLM2_SHAPED's config.json and zero weights of its shapes."""
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(SMOLLM2_SHAPED))
     keys = names.model_keys_from_hf_config(SMOLLM2_SHAPED)
@@ -414,6 +414,11 @@ def test_the_smollm2_config_takes_its_architecture_and_plans(tmp_path):
         config.model[key.split(".", 1)[1]] = value
     tensors = {t.name: np.zeros(t.shape, BF16) for t in names.hf_tensors(config.model)}
     safetensors.numpy.save_file(tensors, directory / "model.safetensors")
+
+
+def test_the_smollm2_config_takes_its_architecture_and_plans(tmp_path):
+    directory = tmp_path / "SmolLM2-135M"
+    write_smollm2_shaped(directory)
     docs = prompt_completion_docs(64, seed=0)  # byte ids: inside SmolLM2's vocabulary too
     write_prepared(tmp_path / "data", {"train": docs, "eval": docs[:8]}, vocab_size=512)
     code, out, err = run_cli(
@@ -505,6 +510,24 @@ def test_an_override_of_a_field_of_a_model_key_is_held_against_config_json(tmp_p
         with pytest.raises(ConfigError) as err:
             hf_load.apply_init_from(config, given)
         assert "model.rope_scaling.factor=16.0 (config.json: 32.0)" in str(err.value)
+
+
+def test_a_field_override_is_held_against_config_json_on_the_command_line(tmp_path):
+    """docs/pretrained.md's field override with model.init_from: llama_tiny and smollm2_sft
+    leave model.rope_scaling null, and the overrides were applied before config.json was
+    read, so `model.rope_scaling.factor=...` was an unknown key, agreeing or not. It is held
+    against the same field of config.json's value, and applied to it."""
+    write_hf(tmp_path / "hf", small_config(LLAMA3_SCALING).model)  # factor 32
+    plan = ["plan", "llama_tiny", *SMALL, f"model.init_from=hf:{tmp_path / 'hf'}"]
+    refused(*plan, "model.rope_scaling.factor=16.0", says=["factor=16.0 (config.json: 32.0)"])
+    code, printed, err = run_cli(*plan, "model.rope_scaling.factor=32", "--json")
+    assert code == 0, err
+    assert json.loads(printed)["model"]["kind"] == "llama"
+    # SmolLM2's config.json says null: a field of it contradicts config.json.
+    directory = tmp_path / "SmolLM2-135M"
+    write_smollm2_shaped(directory)
+    smollm2 = ["plan", "smollm2_sft", f"model.init_from=hf:{directory}"]
+    refused(*smollm2, "model.rope_scaling.factor=16.0", says=["factor=16.0 (config.json: None)"])
 
 
 def test_an_override_giving_the_default_head_width_agrees(tmp_path):

@@ -100,6 +100,12 @@ def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ConfigError(f"{where}: {INDEX_NAME} has no readable weight_map ({err})") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(file, str) and file for file in weight_map.values()
+        ):
+            raise ConfigError(
+                f"{where}: {INDEX_NAME}'s weight_map is not an object of tensor names to file names"
+            )
         found = {name: directory / file for name, file in weight_map.items()}
         missing = sorted({p.name for p in found.values() if not p.is_file()})
         if missing:
@@ -131,10 +137,24 @@ def weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
 
 def _tensor_names(path: pathlib.Path) -> set[str]:
     """The tensors a safetensors file's header names."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as f:
+    with _safe_open(path) as f:
         return set(f.keys())
+
+
+def _safe_open(path: pathlib.Path) -> Any:
+    """safetensors' reader of `path` (memory-mapped), or a ConfigError naming the file where
+    it is not one: empty, truncated (its header names bytes past the end) or not safetensors
+    at all. Opening reads and checks the whole header, so this is where a damaged file
+    shows, before any tensor is read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError) as err:
+        raise ConfigError(
+            f"model.init_from=hf:{path.parent}: {path.name} is not a readable safetensors file "
+            f"({err}): it is damaged or was not fully downloaded; fetch it again"
+        ) from None
 
 
 def apply_init_from(
@@ -160,7 +180,7 @@ def apply_init_from(
         return
     cfg = read_hf_config(directory)
     seq_len = config.get("data", {}).get("seq_len")
-    keys = names.model_keys_from_hf_config(cfg, seq_len=seq_len)
+    keys = _model_keys(directory, cfg, seq_len)
     given = dict(item.split("=", 1) for item in overrides if "=" in item)
     differing = [
         f"{name}={text} (config.json: {said})"
@@ -179,6 +199,16 @@ def apply_init_from(
                 del config[section][leaf]  # its type may differ from the file's (an int theta)
             config[section][leaf] = value
     check_weights(directory, config.model)
+
+
+def _model_keys(
+    directory: pathlib.Path, cfg: Mapping[str, Any], seq_len: int | None
+) -> dict[str, object]:
+    """names.model_keys_from_hf_config, its refusals naming the directory."""
+    try:
+        return names.model_keys_from_hf_config(cfg, seq_len=seq_len)
+    except ConfigError as err:
+        raise ConfigError(f"model.init_from=hf:{directory}: {err}") from None
 
 
 def _contradicted(
@@ -276,8 +306,6 @@ def _opened(
     slice reads its bytes only), each file opened once, when first asked for, and closed on
     leaving: the pages read stay mapped (and count in the process's resident memory) only
     while it is open."""
-    from safetensors import safe_open
-
     files = weight_files(directory) if files is None else files
     with contextlib.ExitStack() as stack:
         handles: dict[pathlib.Path, Any] = {}
@@ -285,7 +313,7 @@ def _opened(
         def slice_of(name: str) -> Any:
             path = files[name]
             if path not in handles:
-                handles[path] = stack.enter_context(safe_open(str(path), framework="numpy"))
+                handles[path] = stack.enter_context(_safe_open(path))
             return handles[path].get_slice(name)
 
         yield slice_of
@@ -308,10 +336,16 @@ def check_weights(directory: pathlib.Path, m: ml_collections.ConfigDict) -> None
         for name, t in expected.items():
             s = slice_of(name)
             shape, dtype = tuple(s.get_shape()), s.get_dtype()
-            if shape != t.shape or dtype not in FLOAT_DTYPES:
+            if dtype not in FLOAT_DTYPES:
                 raise ConfigError(
-                    f"{where}: {name} is {dtype} {shape}, config.json implies a float "
-                    f"tensor of {t.shape}: the weights and config.json disagree"
+                    f"{where}: {name} is stored as {dtype}, a dtype jaxkit does not load: "
+                    f"it reads {', '.join(FLOAT_DTYPES)} (float32, bfloat16, float16); save "
+                    "the weights in one of those"
+                )
+            if shape != t.shape:
+                raise ConfigError(
+                    f"{where}: {name} has shape {shape}, config.json implies {t.shape}: the "
+                    "weights and config.json disagree"
                 )
         for name in extra:
             if name == "lm_head.weight" and m.tie_embeddings:
@@ -368,14 +402,9 @@ def load_params(
     process reads only the slices its devices hold."""
     import jax
 
-    scanned = bool(m.get("scan_layers", False))
-    by_path: dict[tuple[str | int, ...], list[names.HfTensor]] = {}
-    for t in names.hf_tensors(m):
-        path, _ = names.param_path(t, scanned)
-        by_path.setdefault(path, []).append(t)  # a scanned path's layers, in order
     loaded: dict[Any, Any] = {}
     files = weight_files(directory)
-    for path, tensors in by_path.items():
+    for path, tensors in _by_path(m).items():
         shape, sharding = _at(shapes, path), _at(shardings, path)
         dtype = np.dtype(shape.dtype)
         # One param at a time, its files closed after it: what this process mapped and
@@ -388,6 +417,57 @@ def load_params(
             node = node.setdefault(part, {})
         node[path[-1]] = array
     return loaded
+
+
+def _by_path(m: ml_collections.ConfigDict) -> dict[tuple[str | int, ...], list[names.HfTensor]]:
+    """The HF tensors each param of the model section `m` is made of: one, or a scanned
+    param's layers, in order."""
+    scanned = bool(m.get("scan_layers", False))
+    by_path: dict[tuple[str | int, ...], list[names.HfTensor]] = {}
+    for t in names.hf_tensors(m):
+        path, _ = names.param_path(t, scanned)
+        by_path.setdefault(path, []).append(t)
+    return by_path
+
+
+def check_finite(directory: pathlib.Path, m: ml_collections.ConfigDict, params: Any) -> None:
+    """Refuses params that hold a NaN or an infinity (a damaged file, or one saved from a
+    diverged run), naming the first tensor that does: the model section `m`'s params, as
+    loaded from `directory`, whatever their sharding and however many processes hold them.
+
+    One jitted pass over every param gives a flag per HF tensor (a scanned param's one per
+    layer). The flags come out replicated: the compiled program all-reduces each param's
+    flag over the devices that hold its slices, so every device, and so every process,
+    holds the same flags, and every process raises, or goes on, alike; a process whose own
+    slices are finite neither waits for the others nor trains on without them. Only a
+    failure looks up which tensor a flag stands for."""
+    import jax
+    import jax.numpy as jnp
+
+    by_path = _by_path(m)
+
+    def finite(tree: Any) -> jax.Array:
+        flags = []
+        for path, tensors in by_path.items():
+            x = _at(tree, path)
+            # A scanned param keeps its leading axis, one flag per layer's HF tensor.
+            axes = tuple(range(1 if len(tensors) > 1 else 0, x.ndim))
+            flags.append(jnp.all(jnp.isfinite(x), axis=axes).reshape(-1))
+        return jnp.concatenate(flags)
+
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    flags = np.asarray(jax.jit(finite, out_shardings=replicated)(params))
+    if flags.all():
+        return
+    order = [(path, i, t) for path, tensors in by_path.items() for i, t in enumerate(tensors)]
+    path, layer, t = order[int(np.argmin(flags))]
+    at = "/".join(map(str, path)) + (f"[{layer}]" if len(by_path[path]) > 1 else "")
+    raise ConfigError(
+        f"model.init_from=hf:{directory}: {t.name} (param {at}) holds NaN or infinite values "
+        "as loaded: the weights are damaged (or were saved from a run that diverged); "
+        "training on them gives non-finite losses"
+    )
 
 
 def _at(tree: Mapping[Any, Any], path: tuple[str | int, ...]) -> Any:
@@ -406,7 +486,7 @@ def _value(config: ml_collections.ConfigDict, key: str) -> object:
 def check_architecture(config: ml_collections.ConfigDict, directory: pathlib.Path) -> None:
     """The config's model keys are config.json's (apply_init_from made them so): a config
     built in a notebook without it is refused, not loaded into a model of another shape."""
-    keys = names.model_keys_from_hf_config(read_hf_config(directory), config.data.get("seq_len"))
+    keys = _model_keys(directory, read_hf_config(directory), config.data.get("seq_len"))
     differing = [
         f"{key}={_value(config, key)!r}" for key, v in keys.items() if _value(config, key) != v
     ]
@@ -432,6 +512,7 @@ def initial_state(config: ml_collections.ConfigDict, setup: Setup) -> TrainState
     check_architecture(config, directory)
     target = abstract_state(setup)
     params = load_params(directory, config.model, target.params, setup.state_shardings.params)
+    check_finite(directory, config.model, params)
     init_opt: Callable[[Any], Any] = jax.jit(
         lambda p: setup.tx.init(float32(p)), out_shardings=setup.state_shardings.opt_state
     )

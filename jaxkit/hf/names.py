@@ -17,13 +17,14 @@ Pure Python and numpy: no JAX at import.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
 import numpy as np
 
-from jaxkit.keys import ConfigError
+from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Rule, boolean, number
 from jaxkit.models import llama
 
 # Tied or not, HF's torch code computes this buffer; old checkpoints saved it. Not a weight.
@@ -203,7 +204,11 @@ def _rope_scaling(value: object) -> dict[str, float | int] | None:
     missing = [field for field in llama.ROPE_SCALING_FIELDS if field not in value]
     if missing:
         raise ConfigError(f"config.json rope_scaling (llama3) lacks {', '.join(missing)}")
-    return {field: value[field] for field in llama.ROPE_SCALING_FIELDS}
+    fields = {field: value[field] for field in llama.ROPE_SCALING_FIELDS}
+    problem = llama.ROPE_SCALING(fields)
+    if problem:
+        raise ConfigError(f"config.json rope_scaling={_shown(dict(value))}: {problem}")
+    return fields
 
 
 # The one model kind whose params these names map: the Llama family (its contract is
@@ -246,43 +251,88 @@ def model_keys_from_hf_config(
             f"{' and '.join(repr(t) for t in _MODEL_TYPES)} (model.kind='llama')"
         )
     for option in ("attention_bias", "mlp_bias"):
-        if cfg.get(option):
+        if _field(cfg, option, boolean(), False):
             raise ConfigError(
                 f"config.json {option}=true: jaxkit's Llama has no biases; this checkpoint "
                 "cannot be loaded"
             )
-    act = cfg.get("hidden_act", "silu")
+    act = _field(cfg, "hidden_act", Rule("a string", _string), "silu")
     if act != "silu":
         raise ConfigError(
             f"config.json hidden_act={act!r}: jaxkit's Llama MLP is SwiGLU (hidden_act 'silu')"
         )
-    window = cfg.get("sliding_window")
+    window = _field(cfg, "sliding_window", POSITIVE, None)
     if (
         window is not None
-        and cfg.get("use_sliding_window", True)
+        and _field(cfg, "use_sliding_window", boolean(), True)
         and (seq_len is None or window < seq_len)
     ):
         raise ConfigError(
             f"config.json sliding_window={window} is shorter than data.seq_len={seq_len}: "
             f"jaxkit's attention sees the whole row; use data.seq_len ≤ {window}"
         )
-    heads = cfg["num_attention_heads"]
-    width = cfg.get("head_dim")
+    d_model = _field(cfg, "hidden_size", POSITIVE)
+    heads = _field(cfg, "num_attention_heads", POSITIVE)
+    kv_heads = _field(cfg, "num_key_value_heads", POSITIVE, heads)
+    width = _field(cfg, "head_dim", POSITIVE, None)
+    # The relations that size the tensors (the model's other rules, an even head width among
+    # them, are validation's): checked here, before the weights are held against them.
+    if width is None and d_model % heads:
+        raise ConfigError(
+            f"config.json hidden_size={d_model} is not divisible by num_attention_heads="
+            f"{heads} and there is no head_dim: each head's width is not known"
+        )
+    if heads % kv_heads:
+        raise ConfigError(
+            f"config.json num_attention_heads={heads} is not divisible by "
+            f"num_key_value_heads={kv_heads}: each key/value head serves an equal group"
+        )
     return {
         "model.kind": KIND,
-        "model.vocab_size": cfg["vocab_size"],
-        "model.d_model": cfg["hidden_size"],
-        "model.num_layers": cfg["num_hidden_layers"],
+        "model.vocab_size": _field(cfg, "vocab_size", POSITIVE),
+        "model.d_model": d_model,
+        "model.num_layers": _field(cfg, "num_hidden_layers", POSITIVE),
         "model.num_heads": heads,
-        "model.num_kv_heads": cfg.get("num_key_value_heads") or heads,
-        "model.mlp_dim": cfg["intermediate_size"],
-        "model.tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "model.rope_theta": float(cfg.get("rope_theta", 10000.0)),
-        "model.norm_eps": float(cfg.get("rms_norm_eps", llama.NORM_EPS)),
+        "model.num_kv_heads": kv_heads,
+        "model.mlp_dim": _field(cfg, "intermediate_size", POSITIVE),
+        "model.tie_embeddings": _field(cfg, "tie_word_embeddings", boolean(), False),
+        "model.rope_theta": float(_field(cfg, "rope_theta", _POSITIVE_NUMBER, 10000.0)),
+        "model.norm_eps": float(_field(cfg, "rms_norm_eps", _POSITIVE_NUMBER, llama.NORM_EPS)),
         "model.rope_scaling": _rope_scaling(cfg.get("rope_scaling")),
         # null where it is the default width, so the config says only what differs
-        "model.head_dim": None if width in (None, cfg["hidden_size"] // heads) else width,
+        "model.head_dim": None if width in (None, d_model // heads) else width,
     }
+
+
+_POSITIVE_NUMBER = number(0, open_low=True, open_high=False)
+
+
+def _string(value: object) -> str | None:
+    return None if isinstance(value, str) else "must be a string"
+
+
+def _shown(value: object) -> str:
+    """A value as config.json writes it (a string in double quotes, true, null)."""
+    return json.dumps(value)
+
+
+def _field(cfg: Mapping[str, Any], field: str, rule: Rule, default: Any = REQUIRED) -> Any:
+    """config.json's `field`, which `rule` holds (keys.py's rules, as the model key it
+    becomes is held to them). Absent or null it takes `default`; without one it is refused
+    as missing, not taken from transformers' defaults (7B's sizes), which no small
+    checkpoint's weights would match."""
+    value = cfg.get(field)
+    if value is None:
+        if default is REQUIRED:
+            raise ConfigError(
+                f"config.json gives no {field}: a Llama checkpoint's config.json must give "
+                "it, and jaxkit does not guess a size"
+            )
+        return default
+    problem = rule(value)
+    if problem:
+        raise ConfigError(f"config.json {field}={_shown(value)}: {problem}")
+    return value
 
 
 def hf_config_from_model(
@@ -292,8 +342,9 @@ def hf_config_from_model(
     max_position_embeddings: int = 2048,
 ) -> dict[str, Any]:
     """config.json of a LlamaForCausalLM for the Llama model section `m`; `torch_dtype` is
-    the weights' ("float32", "bfloat16"; default model.param_dtype). `max_position_embeddings`
-    only sizes HF's position tables (jaxkit's rotary takes any position)."""
+    the weights' ("float32", "bfloat16", "float16"; default model.param_dtype).
+    `max_position_embeddings` only sizes HF's position tables (jaxkit's rotary takes any
+    position)."""
     scaling = m.get("rope_scaling")
     return {
         "architectures": ["LlamaForCausalLM"],
