@@ -511,3 +511,35 @@ def test_a_checkpoint_without_a_fingerprint_resumes_with_one_warning(token_run, 
     assert "resuming from" in out and "step      3" in out
     resumed = json.loads((old / "checkpoints" / "step_3" / "meta" / "metadata").read_text())
     assert resumed["data"]["fingerprint"] == fingerprint
+
+
+def test_a_train_bin_rewritten_past_its_first_block_is_refused_at_a_resume(tmp_path, capsys):
+    """The fingerprint reads both ends of every shard: train.bin's last 4,096 ids rewritten
+    (the same size) are other data, and a resume on them is refused. lm_tiny's shapes are
+    token_run's, so its compile is shared."""
+    from jaxkit import cli
+
+    rng = np.random.default_rng(1)
+    block = token_files.FINGERPRINT_BLOCK
+    # More than two blocks: the last is not the first.
+    ids = rng.integers(0, 256, size=2 * block + 1000).astype("<u2")
+    ids.tofile(tmp_path / "train.bin")
+    rng.integers(0, 256, size=300).astype("<u2").tofile(tmp_path / "val.bin")
+    overrides = [*SMALL_LM, "data.seq_len=8", "data.source=tokens", f"data.path={tmp_path}",
+                 "model.vocab_size=257", "batch.global_batch_size=16",
+                 "batch.per_device_batch_size=1"]  # fmt: skip
+    workdir = tmp_path / "w"
+    args = ["train", "lm_tiny", *overrides, "--workdir", str(workdir), "--no-progress"]
+    assert cli.main([*args, "train.steps=1"]) == 0
+    ids[-block:] = (ids[-block:] + 1) % 256
+    ids.tofile(tmp_path / "train.bin")
+    capsys.readouterr()
+    assert cli.main([*args, "train.steps=2", "--allow-longer"]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == (
+        f"jaxkit: error: {workdir} was trained on other data; its saved data position would "
+        "read other rows:"
+    ), err
+    assert len(lines) == 3 and lines[1].startswith("  shard_digest '"), err
+    assert "resuming" not in out
