@@ -381,6 +381,53 @@ def test_export_gives_the_source_back_bitwise(tmp_path, dtype, tied):
     )
 
 
+def test_a_float16_export_loads_back_as_written(tmp_path):
+    # A float32 source: float16 rounds most of its values (10 of float32's 23 fraction bits).
+    tensors = write_hf(tmp_path / "hf", small_config().model, dtype=np.dtype(np.float32))
+    config = small_config(f"model.init_from=hf:{tmp_path / 'hf'}")
+    hf_load.apply_init_from(config)
+    save_untouched(config, tmp_path / "run")
+    out = tmp_path / "f16"
+    code, printed, err = run_cli(
+        "export", str(tmp_path / "run"), "--hf", str(out), "--dtype", "float16"
+    )
+    assert code == 0, err
+    assert "tensors in float16" in printed
+    written = read_safetensors(out / "model.safetensors")
+    assert sorted(written) == sorted(tensors)
+    for name, value in tensors.items():
+        # Rounded to nearest, as numpy's own cast rounds.
+        assert written[name].dtype == np.float16, name
+        np.testing.assert_array_equal(written[name], value.astype(np.float16), err_msg=name)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
+    # Loaded back: float32 params holding the file's values exactly (float16 → float32 is
+    # exact).
+    back = small_config(f"model.init_from=hf:{out}")
+    hf_load.apply_init_from(back)
+    _, state = loaded_state(back, {"data": 2, "fsdp": 2, "tensor": 2})
+    expected = names.from_hf(written, back.model)
+    for (path, a), (_, b) in zip(
+        paths_and_leaves(state.params), paths_and_leaves(expected), strict=True
+    ):
+        assert a.dtype == np.float32, path
+        np.testing.assert_array_equal(np.asarray(a), b.astype(np.float32), err_msg=path)
+    # A value float16 cannot hold is refused, not written as an infinity.
+    big = tmp_path / "big"
+    tensors["model.layers.0.mlp.down_proj.weight"][1, 2] = 1e5
+    safetensors.numpy.save_file(tensors, tmp_path / "hf" / "model.safetensors")
+    save_untouched(config, big)
+    refused(
+        "export",
+        str(big),
+        "--hf",
+        str(tmp_path / "f16c"),
+        "--dtype",
+        "float16",
+        says=["model.layers.0.mlp.down_proj.weight holds values up to 100000", "largest (65504)"],
+    )
+    assert not (tmp_path / "f16c").exists()
+
+
 # SmolLM2-135M's config.json with the sizes cut down: the same keys, grouping (3 query heads
 # per key/value head), tied head, rope base and epsilon.
 SMOLLM2_SHAPED = {

@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export",
         help="write a run's checkpoint as a Hugging Face Llama directory",
-        usage="%(prog)s WORKDIR --hf OUT [--step N] [--dtype {bfloat16,float32}]",
+        usage="%(prog)s WORKDIR --hf OUT [--step N] [--dtype {bfloat16,float16,float32}]",
     )
     export.add_argument("workdir", type=common.directory, metavar="WORKDIR", help="a run's workdir")
     export.add_argument(
@@ -34,8 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--dtype",
         choices=DTYPES,
         help="the tensors' dtype (default: the dtype model.init_from's weights were stored "
-        "in, else the run's model.param_dtype); bfloat16 rounds to nearest, and gives a "
-        "bfloat16 source back exactly",
+        "in, else the run's model.param_dtype); bfloat16 and float16 round to nearest, and "
+        "give a source of their dtype back exactly; float16 refuses values beyond ±65504",
     )
     return export
 
