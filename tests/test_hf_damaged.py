@@ -62,6 +62,16 @@ def test_a_weight_file_that_is_not_safetensors_is_one_line_naming_it(good, tmp_p
             *train_line(tmp_path, directory),
             says=[f"hf:{directory}: model.safetensors is not a readable safetensors file"],
         )
+    # Sharded: one shard cut short is named; an index whose weight_map is not a map of names
+    # to files is said as such (an AttributeError before).
+    sharded = tmp_path / "sharded"
+    write_hf(sharded, small_config().model, files=2)
+    shard = sharded / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    refused(*train_line(tmp_path, sharded), says=[f"{shard.name} is not a readable safetensors"])
+    index = sharded / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": [shard.name]}))
+    refused(*train_line(tmp_path, sharded), says=["weight_map is not an object of tensor names"])
     assert not (tmp_path / "run").exists()
 
 

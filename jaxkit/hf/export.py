@@ -25,12 +25,13 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from jaxkit import tokenizer as tokenizer_lib
 from jaxkit.checkpoint import CheckpointError, restore_params, saved_steps
 from jaxkit.hf import names
 from jaxkit.token_format import META_NAME
 from jaxkit.workdir import as_path
 
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("bfloat16", "float32")
 WEIGHTS_NAME = "model.safetensors"
 # A tokenizer.json's companions in a Hugging Face directory, copied where they sit beside it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -82,12 +83,8 @@ def export_hf(
     else:
         dtype = dtype or str(m.get("param_dtype", "float32"))
         dtypes = {t.name: dtype for t in names.hf_tensors(m)}
-    hf = names.to_hf(params, m)
+    tensors = {name: t.astype(_dtype(dtypes[name])) for name, t in names.to_hf(params, m).items()}
     del params
-    with np.errstate(over="ignore"):  # said in one line below, not as numpy's warning
-        tensors = {name: t.astype(_dtype(dtypes[name])) for name, t in hf.items()}
-    _check_in_range(hf, tensors)
-    del hf
     seq_len = int(config.data.seq_len)
     if source is not None:
         cfg = names.carried_config(source["config"], m, seq_len=seq_len, torch_dtype=dtype)
@@ -107,22 +104,6 @@ def export_hf(
         + (f", {copied}" if copied else "")
     )
     return cfg
-
-
-def _check_in_range(params: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> None:
-    """Refuses a cast that made a finite param infinite: float16 holds ±65504 at most, and
-    a file of infinities is no model (model.init_from refuses it)."""
-    import ml_dtypes
-
-    for name, written in tensors.items():
-        if np.isfinite(written).all() or not np.isfinite(params[name]).all():
-            continue
-        largest, most = np.abs(params[name]).max(), ml_dtypes.finfo(written.dtype).max
-        raise CheckpointError(
-            f"--dtype {written.dtype}: {name} holds values up to {float(largest):.6g} in "
-            f"magnitude, beyond {written.dtype}'s largest ({float(most):.6g}): export in "
-            "bfloat16 or float32"
-        )
 
 
 def _in_dtypes(dtypes: dict[str, str], source: dict | None) -> str:
@@ -145,20 +126,41 @@ def _copy_tokenizer(
     target: pathlib.Path,
     echo: Callable[[str], None],
 ) -> str:
-    """The tokenizer.json the run's token data was prepared with (its fingerprint names
-    it), and its companion files; the bytes tokenizer has no file to copy."""
-    tokenizer = ((meta.get("data") or {}).get("fingerprint") or {}).get("tokenizer")
-    if tokenizer is None or tokenizer == "bytes":
+    """The tokenizer.json the run's token data was prepared with, and its companion files;
+    the bytes tokenizer has no file to copy. Runs record it, absolute, with its
+    tokenizer_sha256 (jaxkit/tokenizer.py); a checkpoint saved before has its fingerprint's
+    name of it, and the meta.json of the run's data.path."""
+    record = (meta.get("data") or {}).get("tokenizer")
+    if isinstance(record, dict):
+        tokenizer, found = record.get("tokenizer"), record.get("tokenizer_file")
+        source = pathlib.Path(found) if isinstance(found, str) else None
+    else:
+        tokenizer = ((meta.get("data") or {}).get("fingerprint") or {}).get("tokenizer")
+        source = None if tokenizer is None else pathlib.Path(tokenizer)
+        if source is not None and not source.is_absolute():
+            source = _prepared_tokenizer(config, str(tokenizer)) or source
+    if tokenizer is None or tokenizer == tokenizer_lib.BYTES:
         return ""
-    source = pathlib.Path(tokenizer)
-    if not source.is_absolute():
-        source = _prepared_tokenizer(config, tokenizer) or source
-    if not source.is_file():
+    if source is None or not source.is_file():
         echo(
-            f"warning: the run's data was prepared with {tokenizer}, which is not there now: "
-            f"{target} has no tokenizer (copy it beside config.json)"
+            f"warning: the run's data was prepared with {tokenizer}, which is not there now "
+            f"({source or 'no path recorded'}): {target} has no tokenizer (copy it beside "
+            "config.json)"
         )
         return ""
+    expected = record.get("tokenizer_sha256") if isinstance(record, dict) else None
+    if expected is not None:
+        try:
+            now = tokenizer_lib.file_sha256(source)
+        except tokenizer_lib.TokenizerError as err:
+            now = str(err)
+        if now != expected:
+            echo(
+                f"warning: {source} is not the tokenizer the run's data was prepared with "
+                f"(tokenizer_sha256 {expected[:12]}... recorded): {target} has no tokenizer "
+                "(copy that one beside config.json)"
+            )
+            return ""
     shutil.copyfile(source, target / "tokenizer.json")
     copied = ["tokenizer.json"]
     for name in TOKENIZER_FILES[1:]:
