@@ -84,6 +84,9 @@ def config_conflicts(saved: dict, current: dict) -> list[str]:
 
 # The key of data facts (see data.data_facts) that names the tokens, not only their rows.
 FINGERPRINT = "fingerprint"
+# The key of data facts that says where their tokenizer lies (data.TOKENIZER): a record for
+# an export, not what the data is, so never compared.
+_TOKENIZER = "tokenizer"
 
 
 def data_changes(saved: dict | None, current: dict | None) -> list[str]:
@@ -95,7 +98,7 @@ def data_changes(saved: dict | None, current: dict | None) -> list[str]:
     both = FINGERPRINT in saved and FINGERPRINT in current
 
     def facts(data: dict) -> dict[str, object]:
-        rows = {key: value for key, value in data.items() if key != FINGERPRINT}
+        rows = {key: value for key, value in data.items() if key not in (FINGERPRINT, _TOKENIZER)}
         return rows | (flatten(data[FINGERPRINT]) if both else {})
 
     old, new = facts(saved), facts(current)

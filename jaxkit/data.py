@@ -17,7 +17,7 @@ import functools
 import pathlib
 import sysconfig
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import ml_collections
@@ -143,6 +143,8 @@ def make_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
     sources: tuple[Source, Source]
     if not 0 < d.eval_fraction < 1:
         raise DataError(f"data.eval_fraction={d.eval_fraction} must lie strictly in (0, 1)")
+    if d.source != "tokens":  # ids no tokenizer made: model.init_from's may refuse them
+        _check_tokenizer(config, None)
     if d.source == "text":
         if d.path:
             path = pathlib.Path(d.path).expanduser()
@@ -177,60 +179,123 @@ def make_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
 
 
 def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
-    """Token files' train and held-out rows, their ids checked against the vocabulary."""
+    """Token files' train and held-out rows, their ids checked against the vocabulary (and
+    against model.init_from's tokenizer: jaxkit/tokenizer.py)."""
     from jaxkit import token_files
+    from jaxkit import tokenizer as tokenizer_lib
 
-    d, vocab = config.data, config.model.vocab_size
+    d = config.data
     try:
         train, held_out, facts = token_files.open_splits(
             d.path, d.get("token_dtype", "uint16"), d.eval_fraction
         )
-        if "vocab_size" in facts:  # prepared: its tokenizer's ids are all below this
-            if facts["vocab_size"] > vocab:
-                raise DataError(
-                    f"data.path={d.path!r} holds ids of a {facts['vocab_size']}-token "
-                    f"vocabulary, above model.vocab_size={vocab}: set model.vocab_size="
-                    f"{facts['vocab_size']} (or more)"
-                )
-        else:  # foreign files state no vocabulary: read their largest id once
-            ranges = [token_files.token_range(s.tokens) for s in (train, held_out)]
-            low, top = min(r.low for r in ranges), max(r.top for r in ranges)
-            dtype = d.get("token_dtype", "uint16")
-            # uint32 ids read as uint16: each id's high half, at most this, at every odd
-            # position. Only conclusive when an even position holds more than an odd one
-            # could (a low half), over 16 ids at least.
-            high = (vocab - 1) // 2**16
-            odd_top, even_top = max(r.odd_top for r in ranges), max(r.even_top for r in ranges)
-            if dtype == "uint16" and odd_top <= high < even_top and len(train.tokens) >= 16:
-                halves = "0" if high == 0 else f"at most {high}"
-                raise DataError(
-                    f"data.path={d.path!r}: every second uint16 id is {halves}, as when uint32 "
-                    f"ids below model.vocab_size={vocab} are read as uint16 (each id's high "
-                    "half): set data.token_dtype=uint32"
-                )
-            if low < 0:
-                raise DataError(f"data.path={d.path!r} holds token id {low}: ids are ≥ 0")
-            if top >= vocab:
-                raise DataError(
-                    f"data.path={d.path!r} holds token id {top}, not below model.vocab_size="
-                    f"{vocab}: set model.vocab_size={top + 1} (or more), or check "
-                    f"data.token_dtype={d.get('token_dtype', 'uint16')!r}"
-                )
+        warning = _check_tokenizer(config, facts)
+        _check_ids(config, train, held_out, facts)
         rows = d.get("rows", "windows")
         mask = d.get("document_mask", False)
         fingerprint = token_files.fingerprint(train, held_out, facts)
-        note = None
+        notes = [warning] if warning else []
         if facts.get("layout") == "nanogpt":
-            note = (
+            notes.append(
                 f"data: {d.path} is in nanoGPT's layout: training on train.bin, holding out "
                 "val.bin (data.eval_fraction does not apply)"
             )
+        note = "\n".join(notes) or None
+        tokenizer = tokenizer_lib.record(facts)
         return (
-            token_files.TokenRows(train, d.seq_len, rows, mask, fingerprint, note),
+            token_files.TokenRows(train, d.seq_len, rows, mask, fingerprint, note, tokenizer),
             token_files.TokenRows(held_out, d.seq_len, rows, mask, fingerprint),
         )
     except token_files.TokenFileError as e:
         raise DataError(str(e)) from None
+
+
+def _check_tokenizer(config: ml_collections.ConfigDict, facts: dict | None) -> str | None:
+    """Refuses data that model.init_from's model would read as other tokens than it was
+    made of (jaxkit/tokenizer.py); returns a warning line where the kit cannot tell. `facts`
+    is what token files say of themselves, None for the other sources."""
+    from jaxkit import tokenizer as tokenizer_lib
+    from jaxkit.hf.load import source_dir
+
+    directory = source_dir(config)
+    if directory is None:
+        return None
+    d = config.data
+    try:
+        return tokenizer_lib.check_data(directory, d.source, str(d.get("path")), facts)
+    except tokenizer_lib.TokenizerError as e:
+        raise DataError(str(e)) from None
+
+
+# uint32 ids read as uint16 put each id's high half at every odd position of the files:
+# below this for any id below 2**21 (2,097,152, beyond every tokenizer's vocabulary) ...
+_HIGH_HALF_BELOW = 32
+# ... while some low half, at an even position, is above this, which a stream of real
+# uint16 ids that small at every other position (punctuation and digits, say) never is
+# over _HALVES_SEEN ids.
+_LOW_HALF_ABOVE = 4095
+_HALVES_SEEN = 1024
+
+
+def _halves_of_uint32(ranges: list[Any], vocab: int, train: Any, held_out: Any) -> bool:
+    """Whether ids read as uint16 are uint32 ids' halves: each id's high half at every odd
+    position of the files, its low half at the even one before. Conclusive where an even
+    position holds more than a high half of an id below model.vocab_size could, over 16 ids
+    at least; and whatever model.vocab_size says, for the tiny high halves of any
+    tokenizer's ids beside large low halves, over enough ids to rule out real uint16 ids."""
+    odd_top, even_top = max(r.odd_top for r in ranges), max(r.even_top for r in ranges)
+    ids = len(train.tokens) + len(held_out.tokens)
+    high = (vocab - 1) // 2**16  # the largest high half of an id below the vocabulary
+    if odd_top <= high < even_top and ids >= 16:
+        return True
+    return odd_top < _HIGH_HALF_BELOW and even_top > _LOW_HALF_ABOVE and ids >= _HALVES_SEEN
+
+
+def _check_ids(config: ml_collections.ConfigDict, train: Any, held_out: Any, facts: dict) -> None:
+    """The ids of token files against model.vocab_size: a prepared directory's vocabulary
+    from meta.json, foreign files' by reading their ids once (and their dtype with them)."""
+    from jaxkit import token_files
+
+    d, vocab = config.data, config.model.vocab_size
+    init_from = config.model.get("init_from")
+    if "vocab_size" in facts:  # prepared: its tokenizer's ids are all below this
+        if facts["vocab_size"] > vocab:
+            said = (
+                f"data.path={d.path!r} holds ids of a {facts['vocab_size']}-token vocabulary, "
+                f"above model.vocab_size={vocab}"
+            )
+            if init_from is not None:  # the size is config.json's: no override can change it
+                raise DataError(
+                    f"{said}, model.init_from={init_from}'s: the data was prepared with another "
+                    "tokenizer; prepare it with the model's own"
+                )
+            raise DataError(f"{said}: set model.vocab_size={facts['vocab_size']} (or more)")
+        return
+    # Foreign files state no vocabulary: read their largest id once.
+    ranges = [token_files.token_range(s.tokens) for s in (train, held_out)]
+    low, top = min(r.low for r in ranges), max(r.top for r in ranges)
+    dtype = d.get("token_dtype", "uint16")
+    flat = any(not f.endswith(".npy") for f in facts["files"])  # a .npy states its dtype
+    if dtype == "uint16" and flat and _halves_of_uint32(ranges, vocab, train, held_out):
+        odd_top, even_top = max(r.odd_top for r in ranges), max(r.even_top for r in ranges)
+        halves = "0" if odd_top == 0 else f"at most {odd_top}"
+        raise DataError(
+            f"data.token_dtype=uint32 is what data.path={d.path!r} needs: read as uint16 "
+            f"(the default), every second id is {halves} and the others reach {even_top}, "
+            "the high and low halves of uint32 ids"
+        )
+    if low < 0:
+        raise DataError(f"data.path={d.path!r} holds token id {low}: ids are ≥ 0")
+    if top >= vocab:
+        said = f"data.path={d.path!r} holds token id {top}, not below model.vocab_size={vocab}"
+        if init_from is not None:
+            raise DataError(
+                f"{said}, model.init_from={init_from}'s: the data was made with another "
+                f"tokenizer (or check data.token_dtype={dtype!r})"
+            )
+        raise DataError(
+            f"{said}: set model.vocab_size={top + 1} (or more), or check data.token_dtype={dtype!r}"
+        )
 
 
 def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySource]:
@@ -474,13 +539,23 @@ def checked_sources(config: ml_collections.ConfigDict, largest: BatchPlan) -> tu
     return train, held_out
 
 
+# The key of data facts that records the token files' tokenizer (jaxkit/tokenizer.py's
+# record): absolute, so that an export from any directory finds it.
+TOKENIZER = "tokenizer"
+
+
 def data_facts(train_source: Source, eval_source: Source) -> dict:
     """What a checkpoint must be resumed on: the same rows of each split and, for token
-    files, the same tokens (their fingerprint; see token_files.fingerprint)."""
+    files, the same tokens (their fingerprint; see token_files.fingerprint). Token files
+    that name their tokenizer add its record (jaxkit/tokenizer.py), which a resume does not
+    compare (the fingerprint holds the tokenizer as prepare was given it)."""
     facts: dict = {"train_rows": len(train_source), "eval_rows": len(eval_source)}
     fingerprint = getattr(train_source, "fingerprint", None)
     if fingerprint is not None:
         facts["fingerprint"] = fingerprint
+    tokenizer = getattr(train_source, "tokenizer", None)
+    if tokenizer is not None:  # where its file is, not what the data is: a resume ignores it
+        facts[TOKENIZER] = tokenizer
     return facts
 
 

@@ -33,6 +33,7 @@ from typing import IO, Any, NamedTuple
 import numpy as np
 
 from jaxkit import token_format
+from jaxkit import tokenizer as tokenizer_lib
 
 # The end-of-document tokens of common tokenizers (GPT-2, Llama 2, Gemma, Llama 3), in the
 # order they are looked for when --eod-token is not given.
@@ -77,6 +78,7 @@ class Encoder:
     vocab_size: int
     eod_id: int
     bos_id: int | None = None  # --bos: put before each document (its prompt included)
+    sha256: str | None = None  # a tokenizer.json's tokenizer_sha256 (jaxkit/tokenizer.py)
     _hf: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -105,7 +107,7 @@ class Encoder:
                 "name its end-of-document token with --eod-token"
             )
         bos_id = _bos_id(hf, spec) if bos else None
-        return cls(spec, hf.get_vocab_size(), found[0], bos_id, hf)
+        return cls(spec, hf.get_vocab_size(), found[0], bos_id, tokenizer_lib.sha256_of(hf), hf)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_hf": None}
@@ -668,6 +670,9 @@ def prepare(
             # file from anywhere by this one, which the fingerprint leaves out (so data
             # prepared before it, or from another directory, keeps its fingerprint).
             **({} if tokenizer == "bytes" else {"tokenizer_file": os.path.abspath(tokenizer)}),
+            # Which tokenizer it is, wherever its file lies: a pretrained model's run holds it
+            # against its own tokenizer.json's. Also left out of the fingerprint.
+            **({} if encoder.sha256 is None else {"tokenizer_sha256": encoder.sha256}),
             "masked": masked,
             "eval_fraction": eval_fraction,
             "seed": seed,

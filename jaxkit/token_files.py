@@ -488,7 +488,8 @@ class TokenRows:
     rows: str = "windows"
     document_mask: bool = False
     fingerprint: dict | None = None  # what a checkpoint records of the data (see fingerprint)
-    note: str | None = None  # a line a run prints about how the data were read
+    note: str | None = None  # lines a run prints about how the data were read
+    tokenizer: dict | None = None  # the tokenizer the ids came from (tokenizer.record)
 
     def __post_init__(self) -> None:
         if self.rows == "documents" and self.split.doc_starts is None:

@@ -46,6 +46,8 @@ def token_dtype_for(vocab_size: int) -> str:
 #   bos_id                     (only with --bos) the id put before each document
 #   tokenizer                  "bytes" or the tokenizer.json path it was given
 #   tokenizer_file             (a tokenizer.json only) its absolute path, for `export`
+#   tokenizer_sha256           (a tokenizer.json only) SHA-256 of its canonical JSON, which
+#                              model.init_from's tokenizer.json must match (jaxkit/tokenizer.py)
 #   masked                     whether each shard has a .mask file
 #   eval_fraction, seed        how documents were drawn for the held-out split
 #   num_tokens, num_documents  {"train": n, "eval": n}

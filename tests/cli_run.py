@@ -29,24 +29,24 @@ _JAX_OPTIONS = (
 )
 
 
-def jaxkit(*args: str) -> subprocess.CompletedProcess[str]:
-    """Runs `jaxkit ARGS` from the repository root, as test_cli.jaxkit's process does, and
-    returns its exit status, stdout and stderr as that process would."""
+def jaxkit(*args: str, cwd: str | os.PathLike[str] = ROOT) -> subprocess.CompletedProcess[str]:
+    """Runs `jaxkit ARGS` from `cwd` (the repository root, as test_cli.jaxkit's process
+    does), and returns its exit status, stdout and stderr as that process would."""
     if "--host-devices" in args:
         raise ValueError("--host-devices sets the device count before JAX starts: use a process")
     out, err = io.StringIO(), io.StringIO()
     options = {name: getattr(jax.config, name) for name in _JAX_OPTIONS}
-    plans, cwd, path = compile_cache.plans_enabled, os.getcwd(), list(sys.path)
+    plans, previous_cwd, path = compile_cache.plans_enabled, os.getcwd(), list(sys.path)
     show = warnings.showwarning
     try:
-        os.chdir(ROOT)
+        os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = cli.main(list(args))
             except SystemExit as exit_:  # argparse's usage errors
                 code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
     finally:
-        os.chdir(cwd)
+        os.chdir(previous_cwd)
         sys.path[:] = path
         compile_cache.plans_enabled = plans
         warnings.showwarning = show

@@ -27,6 +27,7 @@ META_KEYS = {  # token_format's list
     "eod_id",
     "tokenizer",
     "tokenizer_file",  # a tokenizer.json's (the bytes tokenizer has no file)
+    "tokenizer_sha256",  # a tokenizer.json's
     "masked",
     "eval_fraction",
     "seed",

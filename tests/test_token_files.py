@@ -9,6 +9,7 @@ import fsspec
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_run import jaxkit
 from flax import nnx
 from small_configs import SMALL_LM
 from token_dirs import write_prepared
@@ -207,7 +208,7 @@ def test_uint32_ids_read_as_uint16_are_refused(tmp_path):
         for lo, hi in ((0, 5401), (5401, 6002))
     ]
     assert [token_files.token_range(p, chunk=64).odd_top for p in parts] == [0, 0]
-    with pytest.raises(DataError, match=r"every second uint16 id is 0.*data\.token_dtype=uint32"):
+    with pytest.raises(DataError, match=r"^data\.token_dtype=uint32 .*every second id is 0 "):
         make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
     make_sources(
         lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin", "data.token_dtype=uint32")
@@ -227,7 +228,7 @@ def test_uint32_ids_above_65535_read_as_uint16_are_refused(tmp_path):
     ids.tofile(tmp_path / "t.bin")
     base = ["data.source=tokens", f"data.path={tmp_path}/t.bin", "model.vocab_size=100000"]
     with pytest.raises(
-        DataError, match=r"every second uint16 id is at most 1.*data\.token_dtype=uint32"
+        DataError, match=r"^data\.token_dtype=uint32 .*every second id is at most 1 "
     ):
         make_sources(lm_config(*base))
     train, _ = make_sources(lm_config(*base, "data.token_dtype=uint32"))
@@ -238,6 +239,51 @@ def test_uint32_ids_above_65535_read_as_uint16_are_refused(tmp_path):
     bits.tofile(tmp_path / "t.bin")
     train, _ = make_sources(lm_config(*base))
     np.testing.assert_array_equal(train[np.array([2])]["targets"][0], bits[17:25])
+
+
+def test_uint32_ids_read_as_uint16_are_refused_whatever_model_vocab_size_says(tmp_path):
+    """uint32 ids up to 70,000 read as uint16 were refused with "set model.vocab_size=65535
+    (or more)"; given that (or 65,536), every high half (0 or 1) fits the vocabulary, the
+    check that held high halves against it passed, and the run trained on [low half, high
+    half, ...]. Tiny high halves at every odd position beside low halves above 4,095, over
+    1,024 ids at least, are refused at any vocabulary size."""
+    ids = np.random.default_rng(0).integers(0, 70_000, size=1024).astype("<u4")  # 2,048 halves
+    ids.tofile(tmp_path / "t.bin")
+    data = ["data.source=tokens", f"data.path={tmp_path / 't.bin'}", "train.steps=1"]
+    for vocab in (65_535, 65_536, 1 << 20):
+        done = jaxkit(
+            "train", "lm_tiny", *SMALL_LM, *data, f"model.vocab_size={vocab}",
+            "--workdir", str(tmp_path / "run"), "--no-progress",
+        )  # fmt: skip
+        err = done.stderr.splitlines()
+        assert done.returncode == 2 and len(err) == 1, (vocab, done.returncode, err)
+        assert err[0].startswith("jaxkit: error: data.token_dtype=uint32 "), err[0]
+    # Fewer than 1,024 ids do not tell real uint16 ids from halves: read as they are.
+    ids[:500].tofile(tmp_path / "t.bin")
+    make_sources(lm_config(*data[:2], "model.vocab_size=65536"))
+
+
+def test_with_init_from_a_larger_vocabulary_is_another_tokenizer(tmp_path):
+    """With model.init_from, model.vocab_size is config.json's: data of a larger vocabulary
+    was prepared with another tokenizer, which is what the refusal says (not "set
+    model.vocab_size=...", which init_from would refuse as a contradiction)."""
+    from test_hf_io import SMALL, small_config, write_hf
+
+    write_hf(tmp_path / "hf", small_config().model)  # 256 ids, no tokenizer (trains as given)
+    docs = [([300, 1], [2, 3])] * 40
+    write_prepared(tmp_path / "data", {"train": docs, "eval": docs[:4]}, vocab_size=500)
+    np.arange(400, dtype="<u2").tofile(tmp_path / "foreign.bin")
+    init_from = f"model.init_from=hf:{tmp_path / 'hf'}"
+    for path, says in ((tmp_path / "data", "500-token"), (tmp_path / "foreign.bin", "id 399")):
+        data = ["data.source=tokens", f"data.path={path}", "train.steps=1"]
+        done = jaxkit(
+            "train", "llama_tiny", *SMALL, init_from, *data,
+            "--workdir", str(tmp_path / "run"), "--no-progress",
+        )  # fmt: skip
+        err = done.stderr.splitlines()
+        assert done.returncode == 2 and len(err) == 1, (path, done.returncode, err)
+        assert says in err[0] and "another tokenizer" in err[0], err[0]
+        assert "set model.vocab_size" not in err[0], err[0]
 
 
 def test_nanogpt_layout_trains_on_train_bin_and_holds_out_val_bin(tmp_path):
