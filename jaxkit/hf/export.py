@@ -31,7 +31,7 @@ from jaxkit.hf import names
 from jaxkit.token_format import META_NAME
 from jaxkit.workdir import as_path
 
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("bfloat16", "float16", "float32")
 WEIGHTS_NAME = "model.safetensors"
 # A tokenizer.json's companions in a Hugging Face directory, copied where they sit beside it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -83,8 +83,12 @@ def export_hf(
     else:
         dtype = dtype or str(m.get("param_dtype", "float32"))
         dtypes = {t.name: dtype for t in names.hf_tensors(m)}
-    tensors = {name: t.astype(_dtype(dtypes[name])) for name, t in names.to_hf(params, m).items()}
+    hf = names.to_hf(params, m)
     del params
+    with np.errstate(over="ignore"):  # said in one line below, not as numpy's warning
+        tensors = {name: t.astype(_dtype(dtypes[name])) for name, t in hf.items()}
+    _check_in_range(hf, tensors)
+    del hf
     seq_len = int(config.data.seq_len)
     if source is not None:
         cfg = names.carried_config(source["config"], m, seq_len=seq_len, torch_dtype=dtype)
@@ -104,6 +108,22 @@ def export_hf(
         + (f", {copied}" if copied else "")
     )
     return cfg
+
+
+def _check_in_range(params: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> None:
+    """Refuses a cast that made a finite param infinite: float16 holds ±65504 at most, and
+    a file of infinities is no model (model.init_from refuses it)."""
+    import ml_dtypes
+
+    for name, written in tensors.items():
+        if np.isfinite(written).all() or not np.isfinite(params[name]).all():
+            continue
+        largest, most = np.abs(params[name]).max(), ml_dtypes.finfo(written.dtype).max
+        raise CheckpointError(
+            f"--dtype {written.dtype}: {name} holds values up to {float(largest):.6g} in "
+            f"magnitude, beyond {written.dtype}'s largest ({float(most):.6g}): export in "
+            "bfloat16 or float32"
+        )
 
 
 def _in_dtypes(dtypes: dict[str, str], source: dict | None) -> str:
