@@ -1,4 +1,5 @@
-"""Notebook set-up: which runtime this is, JAX started to suit it, and the devices to use.
+"""Notebook set-up: which runtime this is, JAX started to suit it, and the devices to use
+(the CLI asks it too which platforms to start JAX on).
 
 The notebooks in `notebooks/` run unchanged on a Colab TPU runtime with real chips and on a
 CPU with simulated devices. The simulated device count must be set before JAX starts its
@@ -10,6 +11,7 @@ runtime uses this module to choose what to install before jaxkit's dependencies 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import pathlib
 import re
@@ -26,6 +28,8 @@ HOST_DEVICES = 8  # the notebooks' meshes go up to 8 devices
 TPU_ENV = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "COLAB_TPU_ADDR")
 # What JAX needs besides jaxkit's own requirements to use each runtime's accelerator.
 JAX_EXTRA = {"tpu": "jax[tpu]", "gpu": "jax[cuda12]", "cpu": None}
+# JAX's CUDA plugins (the PJRT plugin modules jax_plugins.xla_cudaNN that jax[cudaNN] installs).
+CUDA_PLUGIN_VERSIONS = (12, 13)
 # The packages a runtime's own jax is made of, which install_commands leaves as they are.
 RUNTIME_JAX = ("jax", "jaxlib")
 
@@ -47,6 +51,43 @@ def detect_runtime(environ: Mapping[str, str] = os.environ, dev: str | os.PathLi
     if any(p.name[len("nvidia") :].isdigit() for p in dev.glob("nvidia[0-9]*")):
         return "gpu"
     return "cpu"
+
+
+def platforms_to_start(
+    environ: Mapping[str, str] = os.environ,
+    dev: str | os.PathLike = "/dev",
+    found: Callable[[str], bool] | None = None,
+) -> str | None:
+    """What `jax_platforms` a command starts JAX with, or None to leave JAX its choice.
+
+    With libtpu installed (the test and tpu-plan extras bring it), JAX starts it whatever the
+    machine, and without a TPU libtpu prints `Failed to find host bounds` and an `E0000 ...
+    INVALID_ARGUMENT` line on stderr before every command's output. Where no TPU is visible,
+    JAX is kept to what is there: the CPU, or an NVIDIA GPU and the CPU when JAX's CUDA
+    plugin is installed. JAX_PLATFORMS in the environment wins; an AMD GPU (/dev/kfd) or an
+    NVIDIA GPU without the plugin leaves JAX its choice. `found(module)`: whether a module
+    is installed (a test's stand-in).
+    """
+    if found is None:
+        found = _module_installed
+    if environ.get("JAX_PLATFORMS", "").strip() or not (
+        found("libtpu") or environ.get("TPU_LIBRARY_PATH")
+    ):
+        return None
+    runtime = detect_runtime(environ, dev)
+    if runtime == "gpu":
+        cuda = any(found(f"jax_plugins.xla_cuda{v}") for v in CUDA_PLUGIN_VERSIONS)
+        return "cuda,cpu" if cuda else None
+    if runtime == "cpu" and not pathlib.Path(dev, "kfd").exists():
+        return "cpu"
+    return None
+
+
+def _module_installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # its parent package is missing
+        return False
 
 
 def installed_version(name: str) -> str | None:

@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import jax
@@ -62,3 +63,38 @@ def test_devices_are_the_simulated_cpus_here():
     assert notebook.describe(chosen).startswith("8 simulated CPU devices")
     with pytest.raises(RuntimeError, match="9 needed"):
         notebook.devices(9)
+
+
+@pytest.mark.parametrize(
+    "files,environ,modules,expected",
+    [
+        ([], {}, {"libtpu"}, "cpu"),  # a CPU machine with the test extra
+        ([], {}, set(), None),  # no libtpu: nothing to keep quiet
+        (["accel0"], {}, {"libtpu"}, None),  # a TPU VM: JAX starts the chips
+        ([], {"TPU_ACCELERATOR_TYPE": "v5litepod-8"}, {"libtpu"}, None),
+        (["nvidia0"], {}, {"libtpu", "jax_plugins.xla_cuda12"}, "cuda,cpu"),
+        (["nvidia0"], {}, {"libtpu"}, None),  # JAX would say it lacks a CUDA build
+        (["kfd"], {}, {"libtpu"}, None),  # an AMD GPU, through ROCm
+        ([], {"JAX_PLATFORMS": "tpu"}, {"libtpu"}, None),  # asked for explicitly
+    ],
+)
+def test_without_a_tpu_commands_leave_libtpu_unstarted(tmp_path, files, environ, modules, expected):
+    for name in files:
+        (tmp_path / name).touch()
+    assert notebook.platforms_to_start(environ, tmp_path, modules.__contains__) == expected
+
+
+def test_a_command_on_a_cpu_machine_prints_nothing_from_libtpu():
+    """With the test extra, every command printed libtpu's `Failed to find host bounds` and
+    `E0000 ... INVALID_ARGUMENT` lines: JAX started libtpu on a machine without a TPU."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # as a user runs it
+    # libtpu stays quiet while another process holds /tmp/libtpu_lockfile (a test planning a
+    # TPU target in parallel); allowing a second load makes it speak whenever it starts.
+    env.update(ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxkit", "plan", "mlp_digits"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "Failed to find host bounds" not in out.stderr, out.stderr
+    assert "INVALID_ARGUMENT" not in out.stderr, out.stderr
