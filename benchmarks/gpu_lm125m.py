@@ -87,7 +87,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxkit import attention, costs
+from jaxkit import costs
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import load_config
@@ -96,7 +96,7 @@ from jaxkit.flops import model_flops_per_example
 from jaxkit.models import build_model
 from jaxkit.optimizer import Hyper
 from jaxkit.peak import device_peak, table_peak
-from jaxkit.train_step import build, check_on_mesh
+from jaxkit.train_step import build, check_on_mesh, with_kernel
 
 SMALL = {
     "model.d_model": 128,
@@ -425,10 +425,15 @@ def splits(config, device, peak: float) -> dict:
     return out
 
 
+def resolved_config(device: jax.Device):
+    """The config both loops run on `device`: auto resolved as a run there resolves it; a
+    kernel it cannot run is refused (benchmarks/gpu_suite.py's first stage calls this)."""
+    return with_kernel(base_config(), [device])
+
+
 def main() -> None:
     device = jax.devices()[0]
-    # auto resolved as a run on this device resolves it; a kernel it cannot run is refused.
-    config = attention.with_kernel(base_config(), [device])
+    config = resolved_config(device)
     peak, peak_source = peak_of(device)
     print(
         f"{args.config}{' (--small)' if args.small else ''} on 1 x {device.device_kind} "

@@ -1,0 +1,45 @@
+"""benchmarks/gpu_suite.sh's first stage, on the CPU: what a GPU run checks before any
+measurement, so that the suite cannot rot between the rare runs on a GPU.
+
+The whole dry run (`bash benchmarks/gpu_suite.sh --dry-run`, minutes) runs by hand; this
+runs only its import-and-one-step stage, in this process.
+"""
+
+import importlib.util
+import math
+import pathlib
+
+import jax
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_suite_takes_one_step_of_the_kit_and_resolves_the_hand_loops_config():
+    found = _suite().smoke(dry_run=True)
+    assert found["ok"] and found["jax"] == jax.__version__
+    assert found["platform"] == "cpu" and found["device_kind"] == jax.devices()[0].device_kind
+    # auto on a CPU is xla (cudnn on an NVIDIA GPU in bfloat16), the same for both loops.
+    assert found["attention"] == found["hand_loop_attention"] == "xla"
+    # One step of the shrunk lm_125m from its random init: the loss is near ln(256) ≈ 5.55,
+    # the uniform over its 256 tokens; 0.5 is ten times what a random init moves it (0.04
+    # in gpu_lm125m --small's first step), and a NaN or a wrong loss fails it.
+    assert abs(found["loss"] - math.log(256)) < 0.5, found["loss"]
+
+
+def test_the_suite_refuses_an_unknown_config_for_only():
+    suite = _suite()
+    assert suite.parse_args(["--only", "lm_125m,lm_1b"]).only == ["lm_125m", "lm_1b"]
+    assert suite.parse_args(["--only", "lm_1b"]).budget_s == 180  # --only re-measures part
+    try:
+        suite.parse_args(["--only", "lm_7b"])
+    except SystemExit as exit_:
+        assert exit_.code == 2
+    else:
+        raise AssertionError("--only lm_7b was accepted")
