@@ -136,24 +136,40 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         assert coordinator is not None and num_processes is not None and process_id is not None
         if not 0 <= process_id < num_processes:
             raise DistributedError(f"--process-id {process_id} is not in [0, {num_processes})")
-        print(
-            f"joining {num_processes} processes at {coordinator} as process {process_id}; a "
-            f"peer that has not joined within {JOIN_TIMEOUT_S} s or falls silent for "
-            f"{HEARTBEAT_TIMEOUT_S} s stops the run",
-            flush=True,
-        )
+        if process_id == 0:  # one voice, as in training; a join that fails is said by all
+            print(
+                f"joining {num_processes} processes at {coordinator} as process 0; a peer "
+                f"that has not joined within {JOIN_TIMEOUT_S} s or falls silent for "
+                f"{HEARTBEAT_TIMEOUT_S} s stops the run",
+                flush=True,
+            )
         _join(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     elif on_cloud_tpu_vm():
         _join()
     elif (cluster := detected_cluster()) is not None:
-        print(
-            f"{cluster} cluster detected: joining its processes as jax.distributed finds them "
-            f"(--coordinator, --num-processes and --process-id override); a peer that has not "
-            f"joined within {JOIN_TIMEOUT_S} s or falls silent for {HEARTBEAT_TIMEOUT_S} s "
-            "stops the run",
-            flush=True,
-        )
+        if _rank_before_joining(cluster) in (None, 0):  # one voice, where the rank is known
+            print(
+                f"{cluster} cluster detected: joining its processes as jax.distributed finds "
+                f"them (--coordinator, --num-processes and --process-id override); a peer that "
+                f"has not joined within {JOIN_TIMEOUT_S} s or falls silent for "
+                f"{HEARTBEAT_TIMEOUT_S} s stops the run",
+                flush=True,
+            )
         _join()
+
+
+# Where a cluster's environment says a process's rank before jax.distributed does.
+_RANK_VARS = {
+    "SLURM": "SLURM_PROCID",
+    "Open MPI": "OMPI_COMM_WORLD_RANK",
+    "Kubernetes": "JOB_COMPLETION_INDEX",
+}
+
+
+def _rank_before_joining(cluster: str) -> int | None:
+    """This process's rank in a detected cluster, from its environment, or None."""
+    text = os.environ.get(_RANK_VARS.get(cluster, ""), "")
+    return int(text) if text.isdigit() else None
 
 
 def _derived_coordinator() -> str | None:

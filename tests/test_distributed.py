@@ -37,6 +37,12 @@ OPEN_MPI = {  # one process of `mpirun -np 4` (Open MPI 4)
     "OMPI_COMM_WORLD_LOCAL_RANK": "2",
 }
 KUBERNETES = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "1"}
+# Where each says the process's rank: 11, 2 and 1 above, so none of them is process 0.
+RANKS = {
+    "SLURM": "SLURM_PROCID",
+    "Open MPI": "OMPI_COMM_WORLD_RANK",
+    "Kubernetes": "JOB_COMPLETION_INDEX",
+}
 
 
 @pytest.fixture
@@ -77,6 +83,9 @@ def test_a_detected_cluster_is_joined_without_flags(joins, monkeypatch, capsys, 
     assert distributed.detected_cluster() == name
     distributed.initialize(None, None, None)
     assert joins == [TIMEOUTS]  # jax finds the coordinator, the count and the id
+    assert capsys.readouterr().out == ""  # not process 0: quiet, as in training
+    monkeypatch.setenv(RANKS[name], "0")
+    distributed.initialize(None, None, None)
     out = capsys.readouterr().out
     assert out.startswith(f"{name} cluster detected: joining")
     assert f"within {distributed.JOIN_TIMEOUT_S} s" in out
@@ -143,6 +152,8 @@ def test_flags_override_a_detected_cluster(joins, monkeypatch, capsys, how):
         distributed.initialize(None, None, None)
     given = {"coordinator_address": "10.1.2.3:5555", "num_processes": 2, "process_id": 1}
     assert joins == [{**given, **TIMEOUTS}]
+    assert capsys.readouterr().out == ""  # process 1: process 0 says where they join
+    distributed.initialize("10.1.2.3:5555", 2, 0)
     assert capsys.readouterr().out.startswith("joining 2 processes at 10.1.2.3:5555")
 
 

@@ -155,6 +155,11 @@ def test_two_processes_train_like_one_and_resume_across_process_counts(tmp_path)
     results = launch(two, processes=2)
     assert all(rc == 0 for rc, _ in results), results
     assert "step      6" in results[0][1] and "step      6" not in results[1][1]  # one voice
+    # Process 1 prints nothing of its own (not its join, nor the workdir): only the lines of
+    # the Gloo library under JAX's CPU collectives, which every process prints, interleaved.
+    own = [x for x in results[1][1].splitlines() if x.strip() and "[Gloo]" not in x]
+    assert all("peer ranks" in x for x in own), results[1][1]
+    assert results[0][1].startswith("joining 2 processes at 127.0.0.1:")
     assert_same_run(one, two)
 
     # Resume a two-process run as one process, and a one-process run as two.

@@ -48,13 +48,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
+    import jax
+
     from jaxkit.loop import train
     from jaxkit.records import NonFiniteLossError
     from jaxkit.workdir import absolute
 
     workdir = opts.workdir or common.default_dir(config.name)
     common.check_can_write(workdir, "--workdir")
-    print(f"workdir: {absolute(workdir)}")  # a gs:// URL as given
+    if jax.process_index() == 0:  # one voice: the others write no run directory
+        print(f"workdir: {absolute(workdir)}")  # a gs:// URL as given
     try:
         train(
             config,
