@@ -428,6 +428,49 @@ def test_a_float16_export_loads_back_as_written(tmp_path):
     assert not (tmp_path / "f16c").exists()
 
 
+def test_a_tied_run_exports_as_a_tied_llama_and_loads_back(tmp_path):
+    """A run from random weights with a tied head, exported through the CLI: config.json says
+    tie_word_embeddings: true (as transformers reads it), no lm_head is written, and each
+    kernel is the run's param transposed, compared by value, the non-square ones (k and v
+    32 -> 16, gate and up 32 -> 64, down 64 -> 32) as well as the square. Loaded back, the
+    export gives the run's params bit for bit (float32 both ways)."""
+    from test_hf_names import HF_KERNELS
+    from transformers import LlamaConfig
+
+    steps = ["train.steps=1", "train.eval_every=0", "checkpoint.every=0"]
+    config = small_config("model.tie_embeddings=true", *steps)
+    result = train(config, tmp_path / "run", progress=False, echo=lambda line: None)
+    params = jax.tree.map(np.asarray, result.state.params)
+    out = tmp_path / "out"
+    code, _, err = run_cli("export", str(tmp_path / "run"), "--hf", str(out))
+    assert code == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True
+    assert LlamaConfig.from_dict(cfg).tie_word_embeddings is True
+    written = read_safetensors(out / "model.safetensors")
+    assert "lm_head.weight" not in written  # the head is the table
+    np.testing.assert_array_equal(
+        written["model.embed_tokens.weight"], params["embed"]["embedding"]
+    )
+    shapes = set()
+    for layer in range(2):
+        for name, module in HF_KERNELS.items():
+            kernel = params["blocks"][layer][module]["kernel"]
+            tensor = written[f"model.layers.{layer}.{name}"]
+            assert tensor.dtype == np.float32 and tensor.shape == kernel.shape[::-1], name
+            np.testing.assert_array_equal(tensor, kernel.T, err_msg=name)
+            shapes.add(kernel.shape)
+    assert {(32, 16), (32, 64), (64, 32), (32, 32)} == shapes
+    back = small_config(f"model.init_from=hf:{out}")
+    hf_load.apply_init_from(back)
+    assert back.model.tie_embeddings is True
+    _, state = loaded_state(back, {"data": 2, "fsdp": 2, "tensor": 2})
+    got, want = paths_and_leaves(state.params), paths_and_leaves(params)
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b, err_msg=path)
+
+
 # SmolLM2-135M's config.json with the sizes cut down: the same keys, grouping (3 query heads
 # per key/value head), tied head, rope base and epsilon.
 SMOLLM2_SHAPED = {

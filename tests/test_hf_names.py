@@ -23,6 +23,19 @@ SMALL = [
 ]
 
 
+# HF's Llama block kernels, written out here rather than read from names.py: HF's torch
+# Linear stores (out, in), jaxkit's kernels are (in, out).
+HF_KERNELS = {
+    "self_attn.q_proj.weight": "query",
+    "self_attn.k_proj.weight": "key",
+    "self_attn.v_proj.weight": "value",
+    "self_attn.o_proj.weight": "attn_out",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+}
+
+
 def small(*overrides):
     config = load_config("llama_tiny")
     apply_overrides(config, SMALL + list(overrides))  # no data is read: vocab < 256 bytes
@@ -71,11 +84,15 @@ def test_to_hf_then_from_hf_gives_the_params_back_bit_for_bit(scan):
     config = small(f"model.scan_layers={str(scan).lower()}")
     params = pure_params(config)
     hf = names.to_hf(params, config.model)
-    # HF layout, checked independently of the map: torch Linear weights are (out, in).
-    q = hf["model.layers.1.self_attn.q_proj.weight"]
+    # HF layout, checked independently of the map: torch Linear weights are (out, in). Every
+    # kernel by value, the square ones (q, o) and the others (k, v 16 -> 8; gate, up 16 -> 24;
+    # down 24 -> 16), whose shape alone would tell only a transpose left out.
     blocks = params["blocks"]
-    query = np.asarray(blocks["query"]["kernel"][1] if scan else blocks[1]["query"]["kernel"])
-    np.testing.assert_array_equal(q, query.T)
+    for layer in range(2):
+        for name, module in HF_KERNELS.items():
+            kernel = blocks[module]["kernel"][layer] if scan else blocks[layer][module]["kernel"]
+            tensor = hf[f"model.layers.{layer}.{name}"]
+            np.testing.assert_array_equal(tensor, np.asarray(kernel).T, err_msg=name)
     back = dict(leaves(names.from_hf(hf, config.model)))
     assert back.keys() == dict(leaves(params)).keys()
     for path, value in leaves(params):
