@@ -38,6 +38,11 @@ from jaxkit import tokenizer as tokenizer_lib
 # The end-of-document tokens of common tokenizers (GPT-2, Llama 2, Gemma, Llama 3), in the
 # order they are looked for when --eod-token is not given.
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+# A Hugging Face Dataset saved to disk holds these beside its .arrow files; a DatasetDict
+# holds dataset_dict.json and a Dataset's directory for each split.
+DATASET_NAMES = ("state.json", "dataset_info.json")
+DATASET_DICT_NAME = "dataset_dict.json"
+DEFAULT_SPLIT = "train"
 DEFAULT_EVAL_FRACTION = 0.01  # of the documents, held out whole
 DEFAULT_SHARD_TOKENS = 2**26  # at most per shard: 128 MiB of uint16 tokens
 CHUNK_DOCUMENTS = 512  # documents sent to a worker at once, or fewer once they hold
@@ -56,6 +61,59 @@ class Document:
 
     text: str | bytes  # bytes: a text file for the bytes tokenizer, its UTF-8 as on disk
     prompt: str | None = None  # masked out (0) in the .mask file
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The JSON fields, or the Parquet and Arrow columns, a document is read from: a text,
+    or a prompt and a completion. None: that kind of document is not read."""
+
+    text: str | None = "text"
+    prompt: str | None = "prompt"
+    completion: str | None = "completion"
+
+    @classmethod
+    def named(
+        cls, text: str | None = None, prompt: str | None = None, completion: str | None = None
+    ) -> Fields:
+        """The fields as --text-field, --prompt-field and --completion-field name them: with
+        none named, both kinds under today's names; naming one kind's reads only that kind,
+        unless the other's is named too (a pair's unnamed half keeps its own default)."""
+        if text is None and prompt is None and completion is None:
+            return cls()
+        pair = prompt is not None or completion is not None
+        fields = cls(
+            text,
+            (prompt or "prompt") if pair else None,
+            (completion or "completion") if pair else None,
+        )
+        names = [n for n in (fields.text, fields.prompt, fields.completion) if n is not None]
+        if "" in names or len(set(names)) != len(names):
+            raise PrepareError(
+                "--text-field, --prompt-field and --completion-field name different fields, "
+                f"none empty: {', '.join(map(repr, names))}"
+            )
+        return fields
+
+    def described(self) -> str:
+        """What a JSON line holds: `a "text" field (or "prompt" and "completion")`."""
+        pair = f'"{self.prompt}" and "{self.completion}"'
+        if self.text is None:
+            return f"{pair} fields"
+        return f'a "{self.text}" field' + ("" if self.prompt is None else f" (or {pair})")
+
+    def wanted(self) -> str:
+        """What a JSON line lacks, as an error says it: `"text" field (a string), nor
+        "prompt" and "completion"`."""
+        pair = f'"{self.prompt}" and "{self.completion}"'
+        if self.text is None:
+            return f"{pair} fields (strings)"
+        if self.prompt is None:
+            return f'"{self.text}" field (a string)'
+        return f'"{self.text}" field (a string), nor {pair}'
+
+
+DEFAULT_FIELDS = Fields()
 
 
 class Encoded(NamedTuple):
@@ -187,7 +245,7 @@ def _load_tokenizer_json(path: str) -> Any:
         raise PrepareError(f"--tokenizer {path}: not a tokenizer.json that loads: {err}") from None
 
 
-def expand_inputs(inputs: Sequence[str]) -> list[Path]:
+def expand_inputs(inputs: Sequence[str], split: str | None = None) -> list[Path]:
     """The files named by each input, in the order given, each file once.
 
     A file is itself; a directory gives its files, recursively and sorted, hidden ones
@@ -195,9 +253,21 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
     (`*`, `?`, `[`, `**` for any depth) gives its sorted matches. Prepared directories
     (a jaxkit meta.json) and half-built ones (`DIR.partial-PID`) are never inputs: a
     directory or glob leaves them out, and naming one or a file inside one is refused.
+
+    A Hugging Face dataset saved to disk (`save_to_disk`'s state.json and
+    dataset_info.json) is one input, its directory; a DatasetDict (dataset_dict.json) is its
+    `split` (default "train"). A glob leaves out what lies inside one, and naming a file
+    inside one is refused: its .arrow files are rows, not text.
     """
     # Asked once per directory and call: a directory prepared since an earlier call counts.
     prepared = functools.cache(_prepared_dir)
+    saved = functools.cache(_saved_dataset)
+    dicts: list[Path] = []  # the DatasetDicts read, for --split
+
+    def split_of(path: Path, kind: str | None) -> Path:
+        dicts.extend([path] if kind == "dict" else [])
+        return _dataset_split(path, kind, split or DEFAULT_SPLIT)
+
     files: dict[str, Path] = {}  # by real path: `a/x`, `./a/x` and a link to it are one file
     for given in inputs:
         if any(c in given for c in "*?["):
@@ -210,6 +280,12 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
                 raise PrepareError(
                     f"{given}: matched only prepared token directories, which are never inputs"
                 )
+            matches = [m for m in matches if _dataset_ancestor(m, saved) is None]
+            if not matches:
+                raise PrepareError(
+                    f"{given}: matched only files inside a saved Hugging Face dataset: name "
+                    "its directory"
+                )
         elif os.path.lexists(given):
             inside = _prepared_ancestor(given, prepared)
             if inside is not None:
@@ -218,16 +294,76 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
                     f"{given}: {where} {inside}, prepared tokens ({token_format.META_NAME} or a "
                     "DIR.partial-PID): train on it with data.path, or prepare its source text"
                 )
+            inside = None if saved(os.path.abspath(given)) else _dataset_ancestor(given, saved)
+            if inside is not None:
+                raise PrepareError(
+                    f"{given}: lies in {inside}, a saved Hugging Face dataset: name its directory"
+                )
             matches = [given]
         else:
             raise PrepareError(f"{given}: no such file or directory")
         for match in matches:
-            found = _walk(Path(match), prepared) if os.path.isdir(match) else [Path(match)]
+            if not os.path.isdir(match):
+                found = [Path(match)]
+            elif saved(os.path.abspath(match)):
+                found = [split_of(Path(match), saved(os.path.abspath(match)))]
+            else:
+                found = _walk(Path(match), prepared, saved, split_of)
             if not found:
                 raise PrepareError(f"{match}: a directory with no files")
             for path in found:
                 files.setdefault(os.path.realpath(path), path)
+    if split is not None and not dicts:
+        raise PrepareError(
+            f"--split {split}: applies to a DatasetDict saved to disk (its dataset_dict.json), "
+            "and no input is one"
+        )
     return list(files.values())
+
+
+def _saved_dataset(directory: str) -> str | None:
+    """ "dict" where `directory` holds a DatasetDict saved to disk, "dataset" where it holds
+    one Dataset (both written by `datasets`' save_to_disk), None where neither."""
+    if os.path.isfile(os.path.join(directory, DATASET_DICT_NAME)):
+        return "dict"
+    if all(os.path.isfile(os.path.join(directory, n)) for n in DATASET_NAMES):
+        return "dataset"
+    return None
+
+
+def _dataset_split(path: Path, kind: str | None, split: str) -> Path:
+    """A saved dataset's directory; a DatasetDict's is that of its `split`."""
+    if kind != "dict":
+        return path
+    where = path / DATASET_DICT_NAME
+    try:
+        splits = json.loads(where.read_text())["splits"]
+    except (OSError, ValueError, TypeError, KeyError):
+        splits = None
+    if not (isinstance(splits, list) and all(isinstance(s, str) for s in splits)):
+        raise PrepareError(f'{where}: not a dataset_dict.json (a "splits" list of names)')
+    if split not in splits:
+        raise PrepareError(
+            f"{path}: a DatasetDict without the split {split!r} (its splits: "
+            f"{', '.join(splits) or 'none'}): choose one with --split"
+        )
+    if _saved_dataset(str(path / split)) != "dataset":
+        raise PrepareError(
+            f"{path / split}: the split {split!r} has no {' and '.join(DATASET_NAMES)}"
+        )
+    return path / split
+
+
+def _dataset_ancestor(path: str, saved: Callable[[str], str | None]) -> str | None:
+    """The saved dataset (absolute) that `path` lies in, below its own directory; None if
+    none: a DatasetDict's split directory lies in the DatasetDict."""
+    candidate = os.path.dirname(os.path.abspath(path))
+    while not saved(candidate):
+        parent = os.path.dirname(candidate)
+        if parent == candidate:
+            return None
+        candidate = parent
+    return candidate
 
 
 def _prepared_dir(directory: str) -> bool:
@@ -269,9 +405,15 @@ def _skipped_dir(path: str) -> bool:
     return os.path.isdir(path) and (name.startswith(".") or name == "__pycache__")
 
 
-def _walk(root: Path, prepared: Callable[[str], bool]) -> list[Path]:
+def _walk(
+    root: Path,
+    prepared: Callable[[str], bool],
+    saved: Callable[[str], str | None],
+    split_of: Callable[[Path, str | None], Path],
+) -> list[Path]:
     """Every file under `root`, through symlinked directories too (a corpus is often linked
-    in, and a `**` glob follows them), each real directory once (a link back up would loop)."""
+    in, and a `**` glob follows them), each real directory once (a link back up would loop).
+    A saved dataset below `root` is one input, its directory (see `expand_inputs`)."""
     found, seen = [], {os.path.realpath(root)}
     for parent, dirs, names in os.walk(root, followlinks=True):
         kept = []
@@ -281,14 +423,21 @@ def _walk(root: Path, prepared: Callable[[str], bool]) -> list[Path]:
             if _skipped_dir(path) or prepared(os.path.abspath(path)) or real in seen:
                 continue
             seen.add(real)
-            kept.append(d)
+            kind = saved(os.path.abspath(path))
+            if kind:
+                found.append(split_of(Path(path), kind))
+            else:
+                kept.append(d)
         dirs[:] = kept
         found += [Path(parent, n) for n in names if not n.startswith(".")]
     return sorted(found)
 
 
 def _kind(path: Path) -> str:
-    """How `path` is read: ".jsonl", ".parquet" or "text", by its name less a final ".gz"."""
+    """How `path` is read: "dataset" (a saved dataset's directory), or by its name less a
+    final ".gz": ".jsonl", ".parquet" or "text"."""
+    if path.is_dir():
+        return "dataset"
     suffix = Path(path.name.lower().removesuffix(".gz")).suffix
     return suffix if suffix in (".jsonl", ".parquet") else "text"
 
@@ -320,8 +469,19 @@ def _reading(path: Path) -> Iterator[None]:
         raise PrepareError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
-def count_documents(path: Path) -> int:
-    """How many documents `path` holds, read without tokenizing (a Parquet file's footer)."""
+def count_documents(path: Path, fields: Fields = DEFAULT_FIELDS) -> int:
+    """How many documents `path` holds, read without tokenizing (a Parquet file's footer, an
+    Arrow file's batch headers); a Parquet or Arrow table's columns are checked here, before
+    any work."""
+    if _kind(path) == "dataset":
+        with _reading(path):
+            files = _dataset_files(path)
+            num_rows = sum(_arrow_rows(f) for f in files)
+            if num_rows == 0:  # its columns may have no type at all (null)
+                raise PrepareError(f"{path}: a saved dataset of 0 rows")
+            for file in files:
+                _table_columns(_arrow_reader(file).schema, str(file), fields)
+        return num_rows
     if _kind(path) == ".parquet" and _gzipped(path):
         # pyarrow reads a Parquet file by seeking to its footer, which a gzip stream lacks.
         raise PrepareError(
@@ -330,21 +490,34 @@ def count_documents(path: Path) -> int:
         )
     with _reading(path):
         if _kind(path) == ".parquet":
-            return _parquet_file(path).metadata.num_rows
+            parquet = _parquet_file(path)
+            _table_columns(parquet.schema_arrow, str(path), fields)
+            return parquet.metadata.num_rows
         with _open(path) as f:  # one document too: a broken link is refused before writing
             return sum(1 for line in f if line.strip()) if _kind(path) == ".jsonl" else 1
 
 
-def read_documents(paths: Iterable[Path], as_text: bool) -> Iterator[Document]:
+def read_documents(
+    paths: Iterable[Path], as_text: bool, fields: Fields = DEFAULT_FIELDS
+) -> Iterator[Document]:
     """Every document of `paths`, in order. `as_text`: text files decoded as UTF-8 (for a
     tokenizer.json); otherwise kept as bytes (for the bytes tokenizer), once checked to be
-    UTF-8."""
+    UTF-8. `fields`: where a JSON line's, a Parquet or Arrow row's document is."""
     for path in paths:
         with _reading(path):
             if _kind(path) == ".jsonl":
-                yield from _jsonl_documents(path)
+                yield from _jsonl_documents(path, fields)
             elif _kind(path) == ".parquet":
-                yield from _parquet_documents(path)
+                parquet = _parquet_file(path)
+                columns = _table_columns(parquet.schema_arrow, str(path), fields)
+                batches = parquet.iter_batches(columns=list(columns))
+                yield from _table_documents(batches, columns, str(path))
+            elif _kind(path) == "dataset":
+                for file in _dataset_files(path):
+                    reader = _arrow_reader(file)
+                    columns = _table_columns(reader.schema, str(file), fields)
+                    batches = (b.select(list(columns)) for b in _arrow_batches(reader))
+                    yield from _table_documents(batches, columns, str(file))
             else:
                 yield _text_document(path, as_text)
 
@@ -369,7 +542,7 @@ def _utf8(raw: bytes, where: str, gzipped: bool, offset: int = 0) -> str:
         ) from None
 
 
-def _jsonl_documents(path: Path) -> Iterator[Document]:
+def _jsonl_documents(path: Path, fields: Fields) -> Iterator[Document]:
     offset = 0  # of the line in the (decompressed) file
     with _open(path) as f:
         for number, line in enumerate(f, 1):
@@ -385,31 +558,34 @@ def _jsonl_documents(path: Path) -> Iterator[Document]:
                 record = json.loads(text)
             except ValueError as err:
                 raise PrepareError(f"{where}: not JSON: {err}") from None
-            yield _record_document(record, where)
+            yield _record_document(record, where, fields)
 
 
-def _record_document(record: object, where: str) -> Document:
-    """A JSON line's document: its "text", or its "prompt" and "completion"."""
+def _record_document(record: object, where: str, fields: Fields) -> Document:
+    """A JSON line's document: its text field, or its prompt and completion fields."""
     if not isinstance(record, dict):
         raise PrepareError(
-            f'{where}: a JSON {type(record).__name__}, not an object with a "text" field '
-            '(or "prompt" and "completion")'
+            f"{where}: a JSON {type(record).__name__}, not an object with {fields.described()}"
         )
-    if "prompt" in record or "completion" in record:
-        if "text" in record:
+    pair = fields.prompt is not None and (fields.prompt in record or fields.completion in record)
+    if pair:
+        if fields.text is not None and fields.text in record:
             raise PrepareError(
-                f'{where}: both "text" and "prompt"/"completion": which one is the document?'
+                f'{where}: both "{fields.text}" and "{fields.prompt}"/"{fields.completion}": '
+                "which one is the document?"
             )
-        prompt, completion = record.get("prompt"), record.get("completion")
+        prompt, completion = record.get(fields.prompt), record.get(fields.completion)
         if not (isinstance(prompt, str) and isinstance(completion, str)):
-            raise PrepareError(f'{where}: "prompt" and "completion" must both be strings')
+            raise PrepareError(
+                f'{where}: "{fields.prompt}" and "{fields.completion}" must both be strings'
+            )
         return Document(_encodable(completion, where), _encodable(prompt, where))
-    text = record.get("text")
+    text = None if fields.text is None else record.get(fields.text)
     if not isinstance(text, str):
         raise PrepareError(
-            f'{where}: no "text" field (a string), nor "prompt" and "completion"'
+            f"{where}: no {fields.wanted()}"
             if text is None
-            else f'{where}: "text" is a {type(text).__name__}, not a string'
+            else f'{where}: "{fields.text}" is a {type(text).__name__}, not a string'
         )
     return Document(_encodable(text, where))
 
@@ -427,34 +603,127 @@ def _encodable(text: str, where: str) -> str:
 
 
 def _parquet_file(path: Path) -> Any:
-    """The open Parquet file, refused unless it has a `text` column."""
+    """The open Parquet file."""
+    pyarrow = _pyarrow(path, "Parquet")
     try:
-        import pyarrow
-        import pyarrow.parquet
-    except ImportError:
-        raise PrepareError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow") from None
-    try:
-        parquet = pyarrow.parquet.ParquetFile(path)
+        return pyarrow.parquet.ParquetFile(path)
     except pyarrow.ArrowException as err:
         raise PrepareError(f"{path}: not a Parquet file: {err}") from None
-    names = parquet.schema_arrow.names
-    if "text" not in names:
-        raise PrepareError(f'{path}: no "text" column (its columns: {", ".join(names)})')
-    return parquet
 
 
-def _parquet_documents(path: Path) -> Iterator[Document]:
+def _pyarrow(path: Path, what: str) -> Any:
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise PrepareError(f"{path}: reading {what} needs pyarrow: pip install pyarrow") from None
+    return pyarrow
+
+
+def _dataset_files(path: Path) -> list[Path]:
+    """A saved dataset's .arrow files, in order, as its state.json lists them."""
+    where = path / DATASET_NAMES[0]
+    try:
+        state = json.loads(where.read_text())
+        names = [f["filename"] for f in state["_data_files"]]
+    except (ValueError, TypeError, KeyError):
+        names = None
+    if not (names is not None and all(isinstance(n, str) for n in names)):
+        raise PrepareError(
+            f'{where}: not a saved dataset\'s state.json (a "_data_files" list of '
+            '{"filename": NAME})'
+        )
+    files = [path / n for n in names]
+    for file in files:
+        if not file.is_file():
+            raise PrepareError(f"{where} lists {file.name}, which is not in {path}")
+    return files
+
+
+def _arrow_reader(path: Path) -> Any:
+    """An Arrow IPC stream (what `datasets` writes) or file, memory-mapped."""
+    pyarrow = _pyarrow(path, "a saved dataset")
+    try:
+        return pyarrow.ipc.open_stream(pyarrow.memory_map(str(path)))
+    except pyarrow.ArrowInvalid:
+        pass
+    try:
+        return pyarrow.ipc.open_file(pyarrow.memory_map(str(path)))
+    except pyarrow.ArrowInvalid as err:
+        raise PrepareError(f"{path}: not an Arrow stream or file: {err}") from None
+
+
+def _arrow_batches(reader: Any) -> Iterator[Any]:
+    if hasattr(reader, "get_batch"):  # a file: its batches by index
+        return (reader.get_batch(i) for i in range(reader.num_record_batches))
+    return iter(reader)
+
+
+def _arrow_rows(path: Path) -> int:
+    """An Arrow file's rows, memory-mapped: no column is copied."""
+    reader = _arrow_reader(path)
+    pyarrow = _pyarrow(path, "a saved dataset")
+    try:
+        return sum(batch.num_rows for batch in _arrow_batches(reader))
+    except pyarrow.ArrowInvalid as err:  # cut short
+        raise PrepareError(f"{path}: not a whole Arrow stream or file: {err}") from None
+
+
+def _table_columns(schema: Any, where: str, fields: Fields) -> tuple[str, ...]:
+    """The columns a table's documents are read from, (text,) or (prompt, completion),
+    refused unless they are there, of strings, and one kind only."""
+    import pyarrow
+
+    names = schema.names
+    pair = [n for n in (fields.prompt, fields.completion) if n is not None and n in names]
+    if fields.text is not None and fields.text in names:
+        if pair:
+            raise PrepareError(
+                f'{where}: both a "{fields.text}" column and "{fields.prompt}"/'
+                f'"{fields.completion}" columns: which one is the document? (name its '
+                "columns with --text-field, or --prompt-field and --completion-field)"
+            )
+        columns: tuple[str, ...] = (fields.text,)
+    elif fields.prompt is not None and fields.completion is not None and len(pair) == 2:
+        columns = (fields.prompt, fields.completion)
+    else:
+        found = f"(its columns: {', '.join(names)})"
+        if pair:
+            other = fields.completion if pair == [fields.prompt] else fields.prompt
+            raise PrepareError(f'{where}: no "{other}" column beside "{pair[0]}" {found}')
+        if fields.text is None:
+            missing = f'"{fields.prompt}" and "{fields.completion}" columns {found}'
+        else:
+            missing = f'"{fields.text}" column {found}'
+            if fields.prompt is not None:
+                missing += f', nor "{fields.prompt}" and "{fields.completion}"'
+        raise PrepareError(f"{where}: no {missing}")
+    for name in columns:
+        kind = schema.field(name).type
+        value = kind.value_type if pyarrow.types.is_dictionary(kind) else kind
+        if not (
+            pyarrow.types.is_string(value)
+            or pyarrow.types.is_large_string(value)
+            or pyarrow.types.is_string_view(value)
+        ):
+            raise PrepareError(f'{where}: column "{name}" holds {kind}, not strings')
+    return columns
+
+
+def _table_documents(
+    batches: Iterable[Any], columns: tuple[str, ...], where: str
+) -> Iterator[Document]:
+    """A table's rows as documents: a text, or a prompt and a completion (`columns`)."""
     row = 0
-    for batch in _parquet_file(path).iter_batches(columns=["text"]):
-        for text in batch.column(0).to_pylist():
-            if not isinstance(text, str):
-                raise PrepareError(
-                    f'{path}: row {row}: "text" is {text!r}, not a string'
-                    if text is None
-                    else f'{path}: row {row}: "text" is a {type(text).__name__}, not a string'
-                )
+    for batch in batches:
+        values = [batch.column(i).to_pylist() for i in range(len(columns))]
+        for cells in zip(*values, strict=True):
+            for name, cell in zip(columns, cells, strict=True):
+                if cell is None:
+                    raise PrepareError(f'{where}: row {row}: "{name}" is None, not a string')
             row += 1
-            yield Document(text)
+            yield Document(cells[-1], cells[0] if len(cells) == 2 else None)
 
 
 def held_out(num_documents: int, eval_fraction: float, seed: int) -> np.ndarray:
@@ -615,13 +884,16 @@ def prepare(
     workers: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    fields: Fields = DEFAULT_FIELDS,
+    split: str | None = None,
 ) -> dict[str, Any]:
     """Tokenizes `inputs` into the directory `out` (see token_format) and returns its meta.
 
     Args:
       inputs: files, directories and globs (see `expand_inputs`); `.jsonl` files hold a
-        document per line, `.parquet` files one per row of their `text` column, any other
-        file is one document; a `.gz` is read decompressed. Text must be UTF-8.
+        document per line, `.parquet` files and saved Hugging Face datasets one per row,
+        each a text or a prompt and a completion (`fields`); any other file is one
+        document; a `.gz` is read decompressed. Text must be UTF-8.
       tokenizer: "bytes" (a token per byte) or a Hugging Face tokenizer.json path.
       eval_fraction: of the documents, held out whole in the eval split, drawn with `seed`.
       shard_tokens: the most tokens a shard holds, unless one document alone has more.
@@ -631,6 +903,8 @@ def prepare(
         adds) before each document, as Llama checkpoints expect; recorded as meta["bos_id"].
       workers: tokenizing processes (default: one per CPU).
       overwrite: replace a prepared directory at `out`, once the new one is complete.
+      fields: the JSON fields, or the Parquet and Arrow columns, documents are read from.
+      split: a saved DatasetDict's split to read (default "train").
     """
     if not 0 < eval_fraction < 1:
         raise PrepareError(f"--eval-fraction {eval_fraction}: must be between 0 and 1")
@@ -641,14 +915,14 @@ def prepare(
     encoder = Encoder.load(tokenizer, eod_token, bos)
     # The output (and its half-built siblings) is never an input: a DIR inside an input
     # directory, prepared again with --overwrite, would otherwise read its own shards.
-    paths = [p for p in expand_inputs(inputs) if not _inside_output(p, out)]
+    paths = [p for p in expand_inputs(inputs, split) if not _inside_output(p, out)]
     if not paths:
         raise PrepareError("every input lies inside --out: nothing to prepare")
-    num_documents = sum(count_documents(p) for p in paths)
+    num_documents = sum(count_documents(p, fields) for p in paths)
     if num_documents == 0:
         raise PrepareError(f"no documents in {len(paths)} input file(s)")
     is_eval = held_out(num_documents, eval_fraction, seed)
-    documents = read_documents(paths, as_text=encoder.spec != "bytes")
+    documents = read_documents(paths, as_text=encoder.spec != "bytes", fields=fields)
     workers = workers or os.cpu_count() or 1
     with (
         _building(out) as directory,

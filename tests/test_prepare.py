@@ -855,3 +855,160 @@ def test_bos_is_refused_where_the_tokenizer_has_none(tmp_path, bpe, capsys):
     tmp = tmp_path / "in"
     refused([str(tmp), "--tokenizer", bpe, "--bos", "--out", out], tmp, capsys, "--bos", bpe)
     refused([str(tmp), "--tokenizer", "bytes", "--bos", "--out", out], tmp, capsys, "--bos")
+
+
+def save_dataset(path, columns, num_shards=1):
+    """`columns` as `datasets` saves a Dataset to disk: state.json, dataset_info.json and
+    data-*.arrow, Arrow IPC streams."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_dict(columns).save_to_disk(str(path), num_shards=num_shards)
+    return str(path)
+
+
+def save_dataset_dict(path, splits):
+    import datasets
+
+    datasets.disable_progress_bars()
+    saved = datasets.DatasetDict({s: datasets.Dataset.from_dict(c) for s, c in splits.items()})
+    saved.save_to_disk(str(path))
+    return str(path)
+
+
+def files_of(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+TEXTS = [f"{CORPUS[i % len(CORPUS)][: 10 + i]} row {i}" for i in range(40)]
+
+
+def test_a_saved_dataset_prepares_to_the_files_its_rows_give_as_json_lines(tmp_path, bpe, capsys):
+    # Three .arrow streams (read in state.json's order), the text in a column named by
+    # --text-field beside a "text" column of titles that must not be read; an Arrow IPC
+    # *file* in the same layout, and the same rows as JSON lines, give the same files.
+    columns = {"title": [f"title {i}" for i in range(40)], "id": list(range(40))}
+    saved = save_dataset(tmp_path / "ds", {**columns, "body": TEXTS}, num_shards=3)
+    assert len(list((tmp_path / "ds").glob("data-*-of-00003.arrow"))) == 3
+    by_hand = tmp_path / "by_hand"
+    by_hand.mkdir()
+    for name in ("state.json", "dataset_info.json"):
+        (by_hand / name).write_text((tmp_path / "ds" / name).read_text())
+    state = json.loads((by_hand / "state.json").read_text())
+    state["_data_files"] = [{"filename": "rows.arrow"}]
+    (by_hand / "state.json").write_text(json.dumps(state))
+    table = pyarrow.table({"body": TEXTS, "id": list(range(40))})
+    with pyarrow.ipc.new_file(str(by_hand / "rows.arrow"), table.schema) as writer:
+        writer.write_table(table, max_chunksize=7)
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text("".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(TEXTS)))
+    common = ["--tokenizer", bpe, "--eval-fraction", "0.2", "--shard-tokens", "64"]
+    for source, out in [(saved, "a"), (saved, "again"), (str(by_hand), "f"), (str(lines), "j")]:
+        prepare_cli(capsys, source, *common, "--text-field", "body", "--out", str(tmp_path / out))
+    written = files_of(tmp_path / "a")
+    assert len(written) > 6  # several shards of each split, and meta.json
+    for out in ("again", "f", "j"):  # prepared twice, read as a file, read as JSON lines
+        assert files_of(tmp_path / out) == written, out
+    # The tokens themselves, from the tokenizer alone: each row's, then the end of document,
+    # the held-out rows taken whole and both splits in row order.
+    tokenizer = Tokenizer.from_file(bpe)
+    eod = tokenizer.token_to_id("<|endoftext|>")
+    expected = [[*tokenizer.encode(t, add_special_tokens=False).ids, eod] for t in TEXTS]
+    train, _ = read_split(tmp_path / "a", "train")
+    held, _ = read_split(tmp_path / "a", "eval")
+    assert (len(train), len(held)) == (32, 8)
+    train, held = [d.tolist() for d in train], [d.tolist() for d in held]
+    assert sorted(train + held) == sorted(expected)
+    assert is_subsequence(train, expected) and is_subsequence(held, expected)
+
+
+def test_prompt_completion_rows_mask_alike_from_a_dataset_parquet_and_json_lines(
+    tmp_path, bpe, capsys
+):
+    # Pairs under other names in a DatasetDict (its train split by default, --split test
+    # for the other), a Parquet file and JSON lines: the same tokens and masks.
+    prompts = [f"Q{i}: {'' if i % 5 == 0 else CORPUS[i % 4][:i]}" for i in range(24)]
+    answers = [f" A: {CORPUS[(i + 1) % 4][: 3 + i]}" for i in range(24)]
+    test_pairs = {"question": ["Q: held?", "Q: too?"], "answer": [" A: yes", " A: ✓"]}
+    pairs = {"question": prompts, "answer": answers}
+    saved = save_dataset_dict(tmp_path / "dd", {"train": pairs, "test": test_pairs})
+    pyarrow.parquet.write_table(
+        pyarrow.table({"n": list(range(24)), **pairs}), tmp_path / "p.parquet", row_group_size=5
+    )
+    rows = [{"question": q, "answer": a} for q, a in zip(prompts, answers, strict=True)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = ["--prompt-field", "question", "--completion-field", "answer"]
+    common = [*names, "--tokenizer", bpe, "--eval-fraction", "0.25"]
+    for source, out in [(saved, "d"), (str(tmp_path / "p.parquet"), "p"), ("p.jsonl", "j")]:
+        prepare_cli(capsys, str(tmp_path / source), *common, "--out", str(tmp_path / out))
+    assert files_of(tmp_path / "d") == files_of(tmp_path / "p") == files_of(tmp_path / "j")
+    tokenizer = Tokenizer.from_file(bpe)
+    eod = tokenizer.token_to_id("<|endoftext|>")
+
+    def expected(questions, answers):
+        """Each pair's tokens and mask, from the tokenizer alone: the prompt weighs 0."""
+        pairs = {}
+        for q, a in zip(questions, answers, strict=True):
+            prompt = tokenizer.encode(q, add_special_tokens=False).ids
+            completion = tokenizer.encode(a, add_special_tokens=False).ids
+            tokens = (*prompt, *completion, eod)
+            pairs[tokens] = [0] * len(prompt) + [1] * (len(completion) + 1)
+        return pairs
+
+    def prepared(out):
+        docs, masks = [], []
+        for split in token_format.SPLITS:
+            d, m = read_split(out, split)
+            docs, masks = docs + d, masks + m
+        return {tuple(d.tolist()): m.tolist() for d, m in zip(docs, masks, strict=True)}
+
+    assert prepared(tmp_path / "d") == expected(prompts, answers)
+    assert any(0 in m for m in expected(prompts, answers).values())  # a prompt has tokens
+    prepare_cli(capsys, saved, "--split", "test", *common, "--eval-fraction", "0.5", "--out",
+                str(tmp_path / "t"))  # fmt: skip
+    assert prepared(tmp_path / "t") == expected(test_pairs["question"], test_pairs["answer"])
+
+
+def test_a_saved_dataset_the_options_cannot_read_is_one_line_and_writes_nothing(
+    tmp_path, bpe, capsys
+):
+    ds = save_dataset(tmp_path / "ds", {"body": ["one", "two", "three"], "id": [1, 2, 3]})
+    dd = save_dataset_dict(
+        tmp_path / "dd", {"validation": {"text": ["v"]}, "test": {"text": ["t"]}}
+    )
+    empty = save_dataset(tmp_path / "empty", {"text": []})
+    both = save_dataset(tmp_path / "both", {"text": ["a"], "prompt": ["p"], "completion": ["c"]})
+    half = save_dataset(tmp_path / "half", {"prompt": ["p", "q"]})
+    null = save_dataset(tmp_path / "null", {"text": ["a", None, "c"]})
+    pyarrow.parquet.write_table(pyarrow.table({"q": ["x"], "n": [1]}), tmp_path / "q.parquet")
+    torn = save_dataset(tmp_path / "torn", {"text": ["a", "b"]})
+    (tmp_path / "torn" / "data-00000-of-00001.arrow").write_bytes(b"not arrow at all")
+    plain = ["--tokenizer", "bytes", "--eval-fraction", "0.4", "--out", str(tmp_path / "out")]
+
+    def says(inputs, *fragments):
+        refused([*inputs, *plain], tmp_path, capsys, *fragments)
+
+    arrow = "data-00000-of-00001.arrow"
+    says([ds], f'{arrow}: no "text" column (its columns: body, id), nor "prompt" and "completion"')
+    says([ds, "--text-field", "title"], f'{arrow}: no "title" column (its columns: body, id)')
+    says([ds, "--text-field", "id"], f'{arrow}: column "id" holds int64, not strings')
+    says([ds, "--prompt-field", "body"], 'no "completion" column beside "body" (its columns')
+    says([str(tmp_path / "q.parquet"), "--prompt-field", "q", "--completion-field", "a"],
+         'q.parquet: no "a" column beside "q" (its columns: q, n)')  # fmt: skip
+    says([ds, "--prompt-field", "x", "--completion-field", "x"], "name different fields")
+    says([dd], f"{dd}: a DatasetDict without the split 'train' (its splits: validation, test)")
+    says([dd, "--split", "dev"], "without the split 'dev' (its splits: validation, test)")
+    says([ds, "--split", "test"], "--split test: applies to a DatasetDict saved to disk")
+    says([empty], f"{empty}: a saved dataset of 0 rows")
+    says([both], f'{arrow}: both a "text" column and "prompt"/"completion" columns')
+    says([half], 'no "completion" column beside "prompt" (its columns: prompt)')
+    says([null], f'{arrow}: row 1: "text" is None, not a string')
+    says([torn], f"{torn}/{arrow}: not an Arrow stream or file")
+    says([f"{ds}/{arrow}"], f"lies in {ds}, a saved Hugging Face dataset: name its directory")
+    says([f"{ds}/*"], "matched only files inside a saved Hugging Face dataset")
+    # A glob over them all reads each dataset once, a DatasetDict's --split alone.
+    found = expand_inputs([str(tmp_path / "**")], split="test")
+    assert str(tmp_path / "dd" / "test") in map(str, found) and str(tmp_path / "ds") in map(
+        str, found
+    )
+    assert not any("validation" in str(p) or p.name.endswith((".arrow", ".json")) for p in found)

@@ -24,8 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help='files, directories (recursively) and globs: a .jsonl line holds a "text" or '
-        'a "prompt" and a "completion", a .parquet row a "text"; any other file is one document',
+        help="files, directories (recursively) and globs: a .jsonl line, a .parquet row or a "
+        "row of a Hugging Face dataset saved to disk (its directory) holds a text or a prompt "
+        "and a completion; any other file is one document",
     )
     data.add_argument(
         "--tokenizer",
@@ -45,6 +46,29 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="put the tokenizer.json's beginning-of-sequence token (the one its post-processor "
         "adds) before each document, as Llama checkpoints expect",
+    )
+    data.add_argument(
+        "--text-field",
+        metavar="NAME",
+        help='the field or column of a document\'s text (default "text"; named alone, no '
+        "prompt/completion pairs are read)",
+    )
+    data.add_argument(
+        "--prompt-field",
+        metavar="NAME",
+        help='the field or column of a pair\'s prompt, scored 0 (default "prompt"; named '
+        "without --text-field, no plain texts are read)",
+    )
+    data.add_argument(
+        "--completion-field",
+        metavar="NAME",
+        help='the field or column of a pair\'s completion (default "completion")',
+    )
+    data.add_argument(
+        "--split",
+        metavar="NAME",
+        help="the split of a DatasetDict saved to disk (its dataset_dict.json) to read "
+        f"(default {prepare.DEFAULT_SPLIT})",
     )
     data.add_argument(
         "--eval-fraction",
@@ -77,10 +101,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(opts: argparse.Namespace) -> int:
-    from jaxkit.prepare import PrepareError, prepare, summary
+    from jaxkit.prepare import Fields, PrepareError, prepare, summary
 
     try:
         common.check_can_write(opts.out, "--out")
+        fields = Fields.named(opts.text_field, opts.prompt_field, opts.completion_field)
         meta = prepare(
             opts.inputs,
             opts.tokenizer,
@@ -93,6 +118,8 @@ def run(opts: argparse.Namespace) -> int:
             workers=opts.workers,
             overwrite=opts.overwrite,
             progress=not opts.no_progress,
+            fields=fields,
+            split=opts.split,
         )
     except (PrepareError, common.UsageError) as err:
         return common.error(err)
