@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from jaxkit.kv_cache import Cache
 from jaxkit.mesh import RULES
 from jaxkit.models.lm import LM_OPTION_KEYS
 
@@ -142,3 +143,24 @@ def run_blocks(
         return apply(block, x, *context)
 
     return layer(blocks, x, *context)
+
+
+def run_blocks_cached(
+    blocks: nnx.Module, x: jax.Array, positions: jax.Array, cache: Cache
+) -> tuple[jax.Array, Cache]:
+    """`x` (T new positions) through every block, each reading and writing its layer of the
+    key/value cache (kv_cache.py); the cache comes back advanced by T positions."""
+    if isinstance(blocks, nnx.List):
+        for block in blocks:
+            x, cache = block.with_cache(x, positions, cache)
+        return x, cache.advanced(x.shape[1])
+
+    @nnx.scan(in_axes=(0, nnx.Carry, None), out_axes=nnx.Carry)
+    def layer(
+        block: nnx.Module, carry: tuple[jax.Array, Cache], positions: jax.Array
+    ) -> tuple[jax.Array, Cache]:
+        x, cache = carry
+        return block.with_cache(x, positions, cache)  # type: ignore[attr-defined]
+
+    x, cache = layer(blocks, (x, cache), positions)
+    return x, cache.advanced(x.shape[1])

@@ -322,8 +322,8 @@ def expand_inputs(inputs: Sequence[str], split: str | None = None) -> list[Path]
 
 
 def _saved_dataset(directory: str) -> str | None:
-    """ "dict" where `directory` holds a DatasetDict saved to disk, "dataset" where it holds
-    one Dataset (both written by `datasets`' save_to_disk), None where neither."""
+    """What `directory` holds: "dict", a DatasetDict saved to disk; "dataset", one Dataset
+    (both as `datasets`' save_to_disk writes them); None, neither."""
     if os.path.isfile(os.path.join(directory, DATASET_DICT_NAME)):
         return "dict"
     if all(os.path.isfile(os.path.join(directory, n)) for n in DATASET_NAMES):

@@ -62,7 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     data.add_argument(
         "--completion-field",
         metavar="NAME",
-        help='the field or column of a pair\'s completion (default "completion")',
+        help='the field or column of a pair\'s completion (default "completion"; named '
+        "without --text-field, no plain texts are read)",
     )
     data.add_argument(
         "--split",

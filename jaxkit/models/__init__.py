@@ -19,7 +19,7 @@ import ml_collections
 
 from jaxkit.keys import ConfigError, Key
 from jaxkit.models import custom, llama, mlp, transformer
-from jaxkit.models.common import CUSTOM_KIND, Params, Sizes, is_custom
+from jaxkit.models.common import CUSTOM_KIND, Decoding, Params, Sizes, is_custom
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -77,6 +77,10 @@ class Contract(Protocol):
 
     def flops_per_example(self, config: ml_collections.ConfigDict, matmul_params: int) -> float:
         """Training FLOPs (forward and backward) of one example (jaxkit/flops.py)."""
+        ...
+
+    def decoding(self, config: ml_collections.ConfigDict) -> Decoding | None:
+        """How it generates text (jaxkit/sampling.py); None: it cannot (a classifier)."""
         ...
 
     def facts(self, config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -168,6 +172,7 @@ __all__ = [
     "CUSTOM_KIND",
     "KINDS",
     "Contract",
+    "Decoding",
     "MLPClassifier",
     "TransformerLM",
     "build_model",

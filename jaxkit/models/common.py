@@ -4,6 +4,7 @@ own's name, and the key every kind's data has."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from jaxkit.keys import REQUIRED, Key, number
@@ -36,3 +37,14 @@ EVAL_FRACTION = Key(
     number(0, 1, open_low=True, open_high=True),
     "held-out share: the corpus tail for text, a fixed shuffle otherwise",
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """How a language model generates (jaxkit/sampling.py): by its own key/value cache
+    (`cache`: its layers, key/value heads and head width, which the cache is shaped by),
+    or, where it has none (a model of your own), by recomputing the whole prefix for each
+    new token; and the most positions it takes, prompt included (None: no bound of its own)."""
+
+    cache: tuple[int, int, int] | None
+    max_positions: int | None = None

@@ -12,7 +12,7 @@ import ml_collections
 
 from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Key, null, show
 from jaxkit.models import lm, mlp
-from jaxkit.models.common import rows_of_features
+from jaxkit.models.common import Decoding, rows_of_features
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -98,6 +98,12 @@ def matmul_params(config: ml_collections.ConfigDict, params: Params) -> int:
 def flops_per_example(config: ml_collections.ConfigDict, matmul_params: int) -> float:
     """6 × its params per token (its attention unknown), or per example for a classifier."""
     return 6.0 * matmul_params * (config.data.seq_len if is_lm(config) else 1)
+
+
+def decoding(config: ml_collections.ConfigDict) -> Decoding | None:
+    """A language model of your own has no cache the kit knows: each new token recomputes
+    the whole prefix. A classifier generates nothing."""
+    return Decoding(cache=None) if is_lm(config) else None
 
 
 def facts(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from jaxkit.keys import (
     show,
 )
 from jaxkit.models import lm
+from jaxkit.models.common import Decoding
 from jaxkit.models.llama_shape import (
     NORM_EPS,
     ROPE_SCALING_FIELDS,
@@ -51,6 +52,7 @@ __all__ = [
     "check_model",
     "check_shards",
     "check_values",
+    "decoding",
     "facts",
     "flops_per_example",
     "head_dim",
@@ -209,3 +211,10 @@ def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
 def matmul_params(config: ml_collections.ConfigDict, params: Params) -> int:
     """The kernels, and the embedding table where it is tied (it is also the head)."""
     return kernel_params(params, tied_table=bool(config.model.tie_embeddings))
+
+
+def decoding(config: ml_collections.ConfigDict) -> Decoding:
+    """A key/value cache of the key/value heads (grouped-query); rotary positions set no
+    bound of their own."""
+    m = config.model
+    return Decoding(cache=(m.num_layers, m.num_kv_heads, head_dim(m)))

@@ -17,6 +17,7 @@ import ml_collections
 from flax import nnx
 
 from jaxkit import attention, layers
+from jaxkit.kv_cache import Cache
 from jaxkit.mesh import RULES, constrain
 from jaxkit.models import llama_shape
 
@@ -90,6 +91,24 @@ class LlamaBlock(nnx.Module):
         segment_ids_BxL: jax.Array | None = None,
         positions_BxL: jax.Array | None = None,
     ) -> jax.Array:
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self._project(x_BxLxD, positions_BxL)
+        # Each group of H / G query heads shares one key/value head; softmax in float32.
+        a_BxLxHxK = attention.attend(
+            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, self.attention
+        )
+        return self._rest(x_BxLxD, a_BxLxHxK)
+
+    def with_cache(
+        self, x_BxTxD: jax.Array, positions_BxT: jax.Array, cache: Cache
+    ) -> tuple[jax.Array, Cache]:
+        """The block on T new positions whose keys and values join `cache` (kv_cache.py)."""
+        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = self._project(x_BxTxD, positions_BxT)
+        a_BxTxHxK, cache = cache.attend(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.attention)
+        return self._rest(x_BxTxD, a_BxTxHxK), cache
+
+    def _project(
+        self, x_BxLxD: jax.Array, positions_BxL: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         B, L = x_BxLxD.shape[:2]
         H, G, K = self.num_heads, self.num_kv_heads, self.head_dim
         h_BxLxD = self.attn_norm(x_BxLxD)
@@ -100,13 +119,14 @@ class LlamaBlock(nnx.Module):
         q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = (
             constrain(t, "batch", None, "heads", None) for t in (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK)
         )
-        # Each group of H / G query heads shares one key/value head; softmax in float32.
-        a_BxLxHxK = attention.attend(
-            q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, segment_ids_BxL, self.attention
-        )
+        return q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
+
+    def _rest(self, x_BxLxD: jax.Array, a_BxLxHxK: jax.Array) -> jax.Array:
+        """The attention's output projected into the residual stream, then the MLP."""
+        B, L = x_BxLxD.shape[:2]
         a_BxLxHxK = constrain(a_BxLxHxK, "batch", None, "heads", None)
         x_BxLxD = constrain(
-            x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, H * K)), "batch", None, None
+            x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, -1)), "batch", None, None
         )
         h_BxLxD = self.mlp_norm(x_BxLxD)
         h_BxLxF = constrain(
@@ -183,6 +203,17 @@ class LlamaLM(nnx.Module):
             self.blocks, x_BxLxD, self.remat, self.scan, segment_ids_BxL, positions_BxL
         )
         return self.final_norm(x_BxLxD)
+
+    def with_cache(
+        self, tokens_BxT: jax.Array, positions_BxT: jax.Array, cache: Cache
+    ) -> tuple[jax.Array, Cache]:
+        """Logits of T new tokens at `positions_BxT`, their keys and values written into
+        `cache` (kv_cache.py)."""
+        table_VxD = constrain(self.embed.embedding[...], None, None)
+        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype)
+        x_BxTxD = constrain(x_BxTxD, "batch", None, None)
+        x_BxTxD, cache = layers.run_blocks_cached(self.blocks, x_BxTxD, positions_BxT, cache)
+        return self.logits(self.final_norm(x_BxTxD)), cache
 
 
 def parameter_count(m: ml_collections.ConfigDict) -> dict[str, int]:

@@ -105,6 +105,11 @@ def flops_per_example(config: ml_collections.ConfigDict, matmul_params: int) -> 
     return 6.0 * matmul_params
 
 
+def decoding(config: ml_collections.ConfigDict) -> None:
+    del config  # a classifier: it generates nothing
+    return None
+
+
 def facts(config: ml_collections.ConfigDict) -> dict[str, Any]:
     del config
     return {}

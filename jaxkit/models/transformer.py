@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import ml_collections
 
 from jaxkit.keys import Key
+from jaxkit.models.common import Decoding
 from jaxkit.models.lm import (
     DATA_KEYS,
     LM_OPTION_KEYS,
@@ -34,6 +35,7 @@ __all__ = [
     "check_model",
     "check_shards",
     "check_values",
+    "decoding",
     "facts",
     "flops_per_example",
     "is_lm",
@@ -64,3 +66,10 @@ def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
 def matmul_params(config: ml_collections.ConfigDict, params: Params) -> int:
     del config
     return kernel_params(params)
+
+
+def decoding(config: ml_collections.ConfigDict) -> Decoding:
+    """A key/value cache of a head per head; its learned positions end at data.seq_len."""
+    m = config.model
+    heads = (m.num_layers, m.num_heads, m.d_model // m.num_heads)
+    return Decoding(cache=heads, max_positions=int(config.data.seq_len))

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxkit import attention, layers
 from jaxkit.keys import ConfigError
+from jaxkit.kv_cache import Cache
 from jaxkit.mesh import RULES, constrain
 
 _linear = layers.linear
@@ -52,6 +53,20 @@ class Block(nnx.Module):
     def __call__(
         self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None, *_: jax.Array | None
     ) -> jax.Array:
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = self._project(x_BxLxD)
+        a_BxLxHxK = attention.attend(
+            q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, self.attention
+        )
+        return self._rest(x_BxLxD, a_BxLxHxK)
+
+    def with_cache(self, x_BxTxD: jax.Array, _: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """The block on T new positions whose keys and values join `cache` (kv_cache.py);
+        positions are the embedding's, so the block needs none."""
+        q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = self._project(x_BxTxD)
+        a_BxTxHxK, cache = cache.attend(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, self.attention)
+        return self._rest(x_BxTxD, a_BxTxHxK), cache
+
+    def _project(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         B, L, D = x_BxLxD.shape
         H = self.num_heads
         h_BxLxD = self.ln_attn(x_BxLxD)
@@ -59,9 +74,11 @@ class Block(nnx.Module):
             constrain(proj(h_BxLxD).reshape(B, L, H, D // H), "batch", None, "heads", None)
             for proj in (self.query, self.key, self.value)
         )
-        a_BxLxHxK = attention.attend(
-            q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, segment_ids_BxL, self.attention
-        )
+        return q_BxLxHxK, k_BxLxHxK, v_BxLxHxK
+
+    def _rest(self, x_BxLxD: jax.Array, a_BxLxHxK: jax.Array) -> jax.Array:
+        """The attention's output projected into the residual stream, then the MLP."""
+        B, L, D = x_BxLxD.shape
         a_BxLxHxK = constrain(a_BxLxHxK, "batch", None, "heads", None)
         x_BxLxD = constrain(
             x_BxLxD + self.attn_out(a_BxLxHxK.reshape(B, L, D)), "batch", None, None
@@ -134,12 +151,24 @@ class TransformerLM(nnx.Module):
         positions_BxL: jax.Array | None = None,
     ) -> jax.Array:
         """The final norm's output, which the head reads; arguments as for the logits."""
+        x_BxLxD = self._embed(tokens_BxL, positions_BxL)
+        x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan, segment_ids_BxL)
+        return self.ln_final(x_BxLxD)
+
+    def with_cache(
+        self, tokens_BxT: jax.Array, positions_BxT: jax.Array, cache: Cache
+    ) -> tuple[jax.Array, Cache]:
+        """Logits of T new tokens at `positions_BxT` (< data.seq_len: the learned table's
+        length), their keys and values written into `cache` (kv_cache.py)."""
+        x_BxTxD = self._embed(tokens_BxT, positions_BxT)
+        x_BxTxD, cache = layers.run_blocks_cached(self.blocks, x_BxTxD, positions_BxT, cache)
+        return self.logits(self.ln_final(x_BxTxD)), cache
+
+    def _embed(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None) -> jax.Array:
         L = tokens_BxL.shape[1]
         # The table whole before the lookup (FSDP gathers every param for its layer anyway):
         # a gather from a table sharded on d_model cannot make rows sharded by batch.
         table_VxD = constrain(self.embed.embedding[...], None, None)
         pos_xLxD = self.pos_embed[:L] if positions_BxL is None else self.pos_embed[positions_BxL]
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0) + pos_xLxD
-        x_BxLxD = constrain(x_BxLxD.astype(self.dtype), "batch", None, None)
-        x_BxLxD = layers.run_blocks(self.blocks, x_BxLxD, self.remat, self.scan, segment_ids_BxL)
-        return self.ln_final(x_BxLxD)
+        return constrain(x_BxLxD.astype(self.dtype), "batch", None, None)
