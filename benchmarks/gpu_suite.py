@@ -25,16 +25,19 @@ Run: bash benchmarks/gpu_suite.sh [--dry-run] [--only lm_125m,lm_1b] [--budget-s
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.metadata
 import json
 import os
 import pathlib
+import re
 import runpy
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Per-device batches to try, largest first (H100, 80 GiB, the configs' remat).
@@ -277,7 +280,8 @@ def traces(args: argparse.Namespace, measured: dict, out: pathlib.Path) -> dict:
 def _trace(config: str, best: dict, dry_run: bool, out: pathlib.Path) -> dict:
     b = best["per_device_batch_size"]
     overrides = [f"model.attention={best['kernel']}", f"batch.per_device_batch_size={b}"]
-    overrides += [f"batch.global_batch_size={b}", "batch.grad_accum_steps=null", "mesh.data=1"]
+    overrides += [f"batch.global_batch_size={b}", "batch.grad_accum_steps=null"]
+    overrides += ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1"]  # the one device
     # Steps 5 and 6 (profile_steps counts from 0): the 5th samples the noise scale.
     overrides += ["train.steps=6", "train.profile_steps=4:6", "train.noise_scale_every=5"]
     overrides += ["train.eval_every=0", "train.eval_examples=4", "train.log_every=1"]
@@ -287,6 +291,8 @@ def _trace(config: str, best: dict, dry_run: bool, out: pathlib.Path) -> dict:
         overrides += ["model.vocab_size=256"]
     with tempfile.TemporaryDirectory() as work:
         argv = ["-m", "jaxkit", "train", config, *overrides, "--workdir", work, "--no-progress"]
+        if dry_run:  # one CPU device, as the GPU machine has one GPU (8 is the CPU default)
+            argv += ["--host-devices", "1"]
         try:
             ran = _python(*argv, timeout=240)
         except subprocess.TimeoutExpired:
@@ -310,28 +316,64 @@ def _trace(config: str, best: dict, dry_run: bool, out: pathlib.Path) -> dict:
     }
 
 
-def imports(wheels: pathlib.Path) -> dict:
-    """Every module the stages import, by the distribution it comes from: each one the
-    standard library, the GPU image (IMAGE) or a wheel carried in `wheels` holds."""
-    _gpu_lm125m()
-    import pkgutil
-
-    import jaxkit
-
-    for info in pkgutil.walk_packages(jaxkit.__path__, "jaxkit."):
-        __import__(info.name)
-    by_top = importlib.metadata.packages_distributions()
-    carried = {_name(p.name.split("-")[0]) for p in wheels.glob("*.whl")}
-    allowed = {_name(n) for n in IMAGE} | carried | {"jaxkit"}
-    missing: dict[str, list[str]] = {}
-    for top in sorted({m.split(".")[0] for m in sys.modules}):
-        if top in sys.stdlib_module_names or top.startswith("_") or top == "jaxkit":
+def _imported(path: pathlib.Path) -> set[str]:
+    """Top-level names `path` imports, but those in a `try` that catches ImportError (the
+    optional ones, where the code has a way without them)."""
+    tree = ast.parse(path.read_text(), str(path))
+    optional: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try):
+            caught = " ".join(ast.unparse(h.type) for h in node.handlers if h.type)
+            if "ImportError" in caught or "ModuleNotFoundError" in caught:
+                optional |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in optional:
             continue
-        dists = by_top.get(top)
-        if not dists:
-            continue  # not from a distribution: a module of the repository or the interpreter
-        if not any(_name(d) in allowed for d in dists):
-            missing[top] = dists
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def imports(wheels: pathlib.Path) -> dict:
+    """What the kit needs on the GPU machine, against what it will find there: every module
+    the kit, gpu_lm125m.py and this script import (all but the standard library's and the
+    optional ones), the kit's declared dependencies, and what each carried wheel requires,
+    each from the GPU image (IMAGE) or a wheel in `wheels`."""
+    import tomllib
+
+    carried = {_name(p.name.split("-")[0]) for p in wheels.glob("*.whl")}
+    allowed = {_name(n) for n in IMAGE} | carried
+    by_top = importlib.metadata.packages_distributions()
+    sources = [*sorted((ROOT / "jaxkit").rglob("*.py")), *sorted((ROOT / "configs").glob("*.py"))]
+    sources += [ROOT / "benchmarks" / "gpu_lm125m.py", ROOT / "benchmarks" / "gpu_suite.py"]
+    local = {"jaxkit", "configs"}
+    missing: dict[str, str] = {}
+    for path in sources:
+        for top in _imported(path):
+            if top in sys.stdlib_module_names or top in local:
+                continue
+            dists = by_top.get(top, [])
+            if not any(_name(d) in allowed for d in dists):
+                missing[top] = f"imported by {path.relative_to(ROOT)} (from {dists or 'nowhere'})"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needs = {"pyproject.toml": project["dependencies"]}
+    for wheel in wheels.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            lines = z.read(meta).decode().splitlines()
+        needs[wheel.name] = [
+            line.split(":", 1)[1]
+            for line in lines
+            if line.startswith("Requires-Dist:") and "extra ==" not in line
+        ]
+    for who, requirements in needs.items():
+        for requirement in requirements:
+            name = _name(re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0])
+            if name not in allowed and name != "jaxkit":
+                missing[name] = f"required by {who}"
     return {"carried": sorted(carried), "missing": missing, "ok": not missing}
 
 
