@@ -996,6 +996,13 @@ def test_a_saved_dataset_the_options_cannot_read_is_one_line_and_writes_nothing(
     says([str(tmp_path / "q.parquet"), "--prompt-field", "q", "--completion-field", "a"],
          'q.parquet: no "a" column beside "q" (its columns: q, n)')  # fmt: skip
     says([ds, "--prompt-field", "x", "--completion-field", "x"], "name different fields")
+    # Naming one kind's field reads only that kind: a pair is not taken for a text, nor the
+    # reverse, and the line is named.
+    (tmp_path / "mixed.jsonl").write_text('{"body": "b"}\n{"prompt": "p", "completion": "c"}\n')
+    says([str(tmp_path / "mixed.jsonl"), "--text-field", "body"],
+         'mixed.jsonl:2: no "body" field (a string)')  # fmt: skip
+    says([str(tmp_path / "mixed.jsonl"), "--completion-field", "completion"],
+         'mixed.jsonl:1: no "prompt" and "completion" fields (strings)')  # fmt: skip
     says([dd], f"{dd}: a DatasetDict without the split 'train' (its splits: validation, test)")
     says([dd, "--split", "dev"], "without the split 'dev' (its splits: validation, test)")
     says([ds, "--split", "test"], "--split test: applies to a DatasetDict saved to disk")
