@@ -1,5 +1,5 @@
-"""`jaxkit plan`, `train`, `experiment`, `report`, `data prepare` and `export`: a thin layer over
-importable functions. Each command's options and output live in its module of
+"""`jaxkit plan`, `train`, `experiment`, `report`, `data prepare`, `export` and `sample`: a
+thin layer over importable functions. Each command's options and output live in its module of
 `jaxkit.commands`; this one parses the line, starts JAX and hands over.
 
 Every refusal, from a usage error to a config value out of range, is one line on stderr
@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from jaxkit.commands import data, experiment, export, plan, report, train
+from jaxkit.commands import data, experiment, export, plan, report, sample, train
 from jaxkit.commands.common import (
     DEFAULT_HOST_DEVICES,
     INTERRUPTED,
@@ -29,7 +29,7 @@ from jaxkit.commands.common import (
 if TYPE_CHECKING:
     import ml_collections
 
-COMMANDS = ("plan", "train", "experiment", "report", "data", "export")
+COMMANDS = ("plan", "train", "experiment", "report", "data", "export", "sample")
 
 
 def make_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -40,7 +40,7 @@ def make_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "per_device_batch × grad_accum_steps is a first-class object.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = (plan, train, experiment, report, data, export)
+    modules = (plan, train, experiment, report, data, export, sample)
     commands = {name: m.add_parser(sub) for name, m in zip(COMMANDS, modules, strict=True)}
     return parser, commands
 
@@ -196,6 +196,8 @@ def _main(argv: list[str] | None) -> int:
         return data.run(opts)  # nor here
     if opts.command == "export":
         return export.run(opts)  # no config: the checkpoint's own
+    if opts.command == "sample":  # the checkpoint's config, or hf:DIR's: JAX starts there
+        return sample.run(opts, _load_config, _start_jax)
     from jaxkit.config import ConfigError
 
     try:

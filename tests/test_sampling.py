@@ -1,11 +1,15 @@
 """Sampling (jaxkit/sampling.py, jaxkit/kv_cache.py): the cache against a full forward pass,
 the distribution each setting defines, and a seed's samples on other device counts."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_run import jaxkit
 from flax import nnx
+from small_configs import SMALL_LM
 
 from jaxkit import mesh as mesh_lib
 from jaxkit import sampling
@@ -68,3 +72,118 @@ def test_cached_logits_equal_a_full_forward_pass_at_every_generated_position(
         # (a masked padding key, one query against a cache), which moves logits of size ~1
         # by ~1e-6; a key or position off by one slot moves them by ~1e-1.
         np.testing.assert_allclose(row_logits, full_LxV[first : first + NEW], atol=1e-4)
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        # Temperature divides the logits.
+        (sampling.Settings(temperature=0.5), _softmax(np.array([6.0, 4.0, 2.0, 0.0]))),
+        # Top-k keeps the k largest, renormalised.
+        (sampling.Settings(top_k=2), np.array([np.e, 1.0, 0.0, 0.0]) / (np.e + 1)),
+        # Top-p keeps the fewest whose probability reaches p: 0.644 < 0.7, then 0.881.
+        (sampling.Settings(top_p=0.7), np.array([np.e, 1.0, 0.0, 0.0]) / (np.e + 1)),
+        (sampling.Settings(top_p=0.6), np.array([1.0, 0.0, 0.0, 0.0])),
+        (sampling.Settings(top_p=1.0), _softmax(np.array([3.0, 2.0, 1.0, 0.0]))),
+        # Top-k, then top-p on what it kept, at a temperature: softmax([6, 4, 2]) is
+        # [0.867, 0.117, 0.016], so p=0.9 keeps two.
+        (
+            sampling.Settings(temperature=0.5, top_k=3, top_p=0.9),
+            np.array([np.exp(6.0), np.exp(4.0), 0.0, 0.0]) / (np.exp(6.0) + np.exp(4.0)),
+        ),
+    ],
+)
+def test_temperature_top_k_and_top_p_give_the_distribution_they_define(settings, expected):
+    logits_BxV = jnp.array([[3.0, 2.0, 1.0, 0.0], [1.0, 0.0, 3.0, 2.0]])
+    p_BxV = np.asarray(sampling.distribution(logits_BxV, settings))
+    # float32 softmax of small logits: exact to ~1e-7 of each probability.
+    np.testing.assert_allclose(p_BxV[0], expected, atol=1e-6)
+    np.testing.assert_allclose(p_BxV[1], expected[[2, 3, 0, 1]], atol=1e-6)  # same, permuted
+
+
+def test_tokens_are_drawn_from_that_distribution_and_greedy_takes_the_most_probable():
+    settings = sampling.Settings(temperature=0.5, top_k=3)
+    rows = 20_000
+    logits_BxV = jnp.tile(jnp.array([[3.0, 2.0, 1.0, 0.0]]), (rows, 1))
+    keys_B = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(0), r))(jnp.arange(rows))
+    drawn = np.asarray(
+        jax.jit(sampling.next_tokens, static_argnums=2)(logits_BxV, keys_B, settings)
+    )
+    expected = np.asarray(sampling.distribution(logits_BxV[:1], settings))[0]
+    counts = np.bincount(drawn, minlength=4) / rows
+    # 20,000 draws: each frequency within 5 standard errors (sqrt(p(1-p)/n) ≤ 0.0036).
+    np.testing.assert_allclose(counts, expected, atol=0.018)
+    assert counts[3] == 0  # outside the top 3: never drawn
+    greedy = sampling.next_tokens(logits_BxV[:2], keys_B[:2], sampling.Settings(temperature=0))
+    assert np.asarray(greedy).tolist() == [0, 0]
+
+
+def test_a_seed_gives_the_same_samples_on_1_and_8_devices():
+    """Row r's draw at step t uses fold_in(fold_in(key(seed), r), t): not the device
+    count, the batch (5 rows: 8 on 8 devices, padded) or the sharding."""
+    config, model = _model("llama_tiny")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    prompts = [*PROMPTS, [3, 4], [9] * 6]
+    settings = sampling.Settings(temperature=0.8, top_k=50, top_p=0.95)
+    drawn = []
+    for devices, mesh in (
+        (1, ["mesh.data=1"]),
+        (8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+    ):
+        apply_overrides(config, [*mesh, "mesh.fsdp=1", "mesh.tensor=1"] if devices == 1 else mesh)
+        sampler = sampling.Sampler(config, _mesh(config, devices), params)
+        for seed in (0, 1):
+            samples, _ = sampler.generate(prompts, max_new=NEW, settings=settings, seed=seed)
+            drawn.append([s.tokens for s in samples])
+    assert drawn[0] == drawn[2] and drawn[1] == drawn[3]
+    assert drawn[0] != drawn[1]  # another seed, other samples
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> str:
+    """A byte LM trained for 2 steps at SMALL_LM's size (rows of 16 bytes)."""
+    workdir = str(tmp_path_factory.mktemp("sample") / "run")
+    args = ["train", "lm_tiny", *SMALL_LM, "train.steps=2", "train.eval_every=0"]
+    done = jaxkit(*args, "--workdir", workdir, "--no-progress")
+    assert done.returncode == 0, done.stderr
+    return workdir
+
+
+def test_sample_prints_a_json_object_per_sample_from_a_runs_checkpoint(trained_run):
+    done = jaxkit(
+        "sample", trained_run, "mesh.fsdp=2", "--prompt", "def ", "--prompt", "é",
+        "--num-samples", "2", "--max-new-tokens", "6", "--temperature", "0", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == ["def ", "def ", "é", "é"]
+    for line in lines:
+        assert list(line) == ["prompt", "prompt_tokens", "tokens", "text", "finish_reason"]
+        assert line["prompt_tokens"] == list(line["prompt"].encode())
+        # Byte data has no end-of-document id: every sample runs to --max-new-tokens.
+        assert len(line["tokens"]) == 6 and line["finish_reason"] == "length"
+        assert line["text"] == bytes(line["tokens"]).decode(errors="replace")
+    assert lines[0]["tokens"] == lines[1]["tokens"]  # greedy: one answer
+
+
+def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run):
+    """The byte LM's learned positions end at data.seq_len=16, prompt included; a sample
+    changes no model key."""
+    cases = {
+        ("--prompt", "def ", "--max-new-tokens", "13"): "data.seq_len=16",
+        ("model.d_model=64", "--prompt", "x"): "model.d_model=64",
+        ("--prompt", "x", "--step", "7"): "--step 7",
+        (): "no prompt",
+    }
+    for args, said in cases.items():
+        done = jaxkit("sample", trained_run, *args)
+        assert done.returncode == 2 and done.stdout == "", args
+        assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
+    assert (
+        jaxkit("sample", trained_run, "--prompt", "def ", "--max-new-tokens", "12").returncode == 0
+    )
