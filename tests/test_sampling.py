@@ -10,6 +10,7 @@ import pytest
 from cli_run import jaxkit
 from flax import nnx
 from small_configs import SMALL_LM
+from test_hf_reference import HF_SHAPE, flax_logits, jaxkit_config, random_tensors, write_hf_dir
 
 from jaxkit import mesh as mesh_lib
 from jaxkit import sampling
@@ -187,3 +188,32 @@ def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run):
     assert (
         jaxkit("sample", trained_run, "--prompt", "def ", "--max-new-tokens", "12").returncode == 0
     )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_greedy_from_an_hf_dir_gives_the_flax_llamas_greedy_tokens(tmp_path, tied):
+    """`jaxkit sample hf:DIR` at temperature 0 against transformers' FlaxLlamaForCausalLM
+    decoding greedily on the same directory (grouped-query heads: 4 query, 2 key/value),
+    32 new tokens on a mesh of fsdp 2 × tensor 2. Each step's top-2 margin is asserted
+    above 1e-4, far above float32 round-off, so a near-tie cannot flip a token."""
+    hf_config = {"model_type": "llama", **HF_SHAPE, "tie_word_embeddings": tied}
+    tensors = random_tensors(jaxkit_config(hf_config), seed=2 if tied else 3)
+    if tied:  # the Flax Llama has no tied head: the table as lm_head.weight too
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    path = write_hf_dir(tmp_path / "hf", hf_config, tensors)
+    prompt, new = "!#%&", 32  # bytes 33-38: within the vocabulary of 48, as no tokenizer
+    done = jaxkit(
+        "sample", f"hf:{path}", "mesh.fsdp=2", "mesh.tensor=2", "--prompt", prompt,
+        "--temperature", "0", "--max-new-tokens", str(new), "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    sampled = json.loads(done.stdout)["tokens"]
+    # The Flax Llama's greedy decoding: the whole row each step (right padding is unseen).
+    row = np.zeros((1, len(prompt) + new), np.int32)
+    row[0, : len(prompt)] = list(prompt.encode())
+    for t in range(new):
+        logits = flax_logits(path, row)[0, len(prompt) + t - 1]
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-4, f"near-tie at step {t}"
+        row[0, len(prompt) + t] = int(np.argmax(logits))
+    assert sampled == row[0, len(prompt) :].tolist()

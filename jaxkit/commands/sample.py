@@ -346,7 +346,9 @@ def _open_source(
         if opts.step is not None:
             raise common.UsageError("--step applies to a run's workdir, not to hf:DIR")
         directory = pathlib.Path(opts.source[len(HF_PREFIX) :])
-        config = load_config([HF_CONFIG, f"model.init_from={opts.source}", *opts.overrides])
+        # No data is read: synthetic ids hold no vocabulary to a floor (bytes would).
+        head = [HF_CONFIG, f"model.init_from={opts.source}", "data.source=synthetic"]
+        config = load_config([*head, *opts.overrides])
         hf_config = read_hf_config(directory)
         tokenizer_json = tokenizer_lib.model_tokenizer(directory)
         # The directory's own convention: its tokenizer adds what it adds (a BOS).
