@@ -6,7 +6,12 @@ modes: tokens/s (mean step time of a short run of jaxkit's own loop, first step 
 the median of --repeats rounds, each round running every layout once, so that a slow spell
 of a shared machine falls on all of them), the compiled memory per device, and per
 optimizer step the collectives by kind and by the mesh axes they cross (counted in the
-compiled HLO). Ratios are against data=8 with MultiSteps, in this one run.
+compiled HLO). Ratios are against data=8 with MultiSteps, in this one run. And per layout
+the gradient noise scale's share of a step: its one-row gradient (train_step.Setup's
+small_batch_grad_sq, on one device where params are whole on each, by the mesh otherwise,
+with the collectives that costs) timed against a MultiSteps optimizer step, interleaved,
+medians of --repeats × 5: its share of a step when every step samples, and at the default
+train.noise_scale_every (the other steps never dispatch it).
 
 Run: python benchmarks/sharding.py [--host-devices 8] [--steps 12] [--wide-steps 3]
      [--repeats 3] [--models default,wide] [--no-run]   (--no-run: compile and count only)
@@ -28,6 +33,7 @@ import collections
 import json
 import pathlib
 import statistics
+import time
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--host-devices", type=int, default=8)
@@ -53,10 +59,12 @@ jax.config.update("jax_num_cpu_devices", args.host_devices)  # used where there 
 
 from jaxkit import costs
 from jaxkit.batch_schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import BASE_KEYS, apply_overrides, load_config
+from jaxkit.data import load_micro_batch, load_small_batch, make_sources
 from jaxkit.hlo import collectives
 from jaxkit.loop import train
 from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.noise_scale import SMALL_BATCH_ROWS
 from jaxkit.train_step import build
 
 if args.tpu_topology:  # devices of a TPU slice described, not attached: compile only
@@ -127,6 +135,51 @@ def collectives_per_step(config) -> dict[str, int]:
     }
 
 
+EVERY = next(k.default for k in BASE_KEYS if k.name == "train.noise_scale_every")
+
+
+def noise_scale_share(config) -> dict:
+    """The noise scale's one-row gradient against an optimizer step (K MultiSteps calls),
+    timed in turn, each to completion; medians, and its share of a step that samples."""
+    mesh = make_mesh(config.mesh.to_dict(), DEVICES)
+    plan = plan_from_config(config, mesh_shape(mesh))
+    setup = build(config, plan, mesh)
+    step, _ = costs.compile_setup_step(config, plan, setup)
+    state = setup.init(jax.random.key(0))
+    source, _ = make_sources(config)
+    k = plan.grad_accum_steps
+    micro = [load_micro_batch(source, 0, m, plan, 0, setup.batch_sharding) for m in range(k)]
+    rows = load_small_batch(source, 0, SMALL_BATCH_ROWS, 0, setup.small_batch_sharding)
+    hyper = setup.hyper(plan)
+    small = setup.small_batch_grad_sq
+    collectives_small = 0
+    if hasattr(small, "lower"):  # sharded params: the devices take it together
+        collectives_small = len(
+            collectives(small.lower(state.params, rows).compile().as_text(), mesh_shape(mesh))
+        )
+    step_s, small_s = [], []
+    for i in range(1 + 5 * args.repeats):  # the first of each: warm-up
+        start = time.perf_counter()
+        for batch in micro:
+            state, _ = step(state, batch, hyper)
+        jax.block_until_ready(state)
+        middle = time.perf_counter()
+        jax.block_until_ready(small(state.params, rows))
+        end = time.perf_counter()
+        if i:
+            step_s.append(middle - start)
+            small_s.append(end - middle)
+    t_step, t_small = statistics.median(step_s), statistics.median(small_s)
+    return {
+        "step_s": t_step,
+        "small_batch_grad_s": t_small,
+        "small_batch_collectives": collectives_small,
+        "share_every_step": t_small / (t_step + t_small),
+        "noise_scale_every": EVERY,
+        f"share_every_{EVERY}": t_small / EVERY / (t_step + t_small / EVERY),
+    }
+
+
 def main() -> None:
     rows = []
     print(f"mesh layouts on {len(DEVICES)} x {DEVICES[0].device_kind}")
@@ -171,6 +224,17 @@ def main() -> None:
                     for k, v in row.items()
                     if k.startswith(("all-", "reduce-", "collective-"))
                 ),
+                flush=True,
+            )
+        for layout in LAYOUTS if not args.no_run else ():
+            share = noise_scale_share(config_for(model, layout, "multisteps", steps))
+            rows.append({"model": model, "layout": layout, "noise_scale": share})
+            print(
+                f"{model:>7} {layout:>6} noise scale: one-row gradient "
+                f"{share['small_batch_grad_s'] * 1e3:7.1f} ms "
+                f"({share['small_batch_collectives']} collectives) against a step of "
+                f"{share['step_s'] * 1e3:7.1f} ms: {share['share_every_step']:.1%} of a step "
+                f"sampling every step, {share[f'share_every_{EVERY}']:.1%} every {EVERY}",
                 flush=True,
             )
     out = pathlib.Path(args.out)

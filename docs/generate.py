@@ -121,6 +121,7 @@ _SEE = {
     "model.remat": "../models-at-scale.md",
     "data.source": "../data.md#your-own-data",
     "model.init_from": "../pretrained.md",
+    "train.noise_scale_every": "../benchmarks.md#the-noise-scales-share-of-a-step",
 }
 
 
