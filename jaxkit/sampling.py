@@ -100,8 +100,8 @@ def _row_keys(seed: jax.Array, rows_B: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(rows_B)
 
 
-def _stopped(tokens_B: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-    return jnp.isin(tokens_B, jnp.array(eos_ids or (-1,), jnp.int32))
+def _stopped(tokens_B: jax.Array, eos_E: jax.Array) -> jax.Array:
+    return jnp.isin(tokens_B, eos_E)
 
 
 def _cached(
@@ -110,13 +110,13 @@ def _cached(
     start_B: jax.Array,
     rows_B: jax.Array,
     seed: jax.Array,
+    eos_E: jax.Array,
     *,
     graphdef: nnx.GraphDef,
     cache_shape: tuple[int, int, int],
     dtype: Any,
     new: int,
     settings: Settings,
-    eos_ids: tuple[int, ...],
     keep_logits: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
     """(tokens_BxN, logits_BxNxV each token was chosen from, or None), by the cache."""
@@ -142,7 +142,7 @@ def _cached(
         # Merged in the loop's own trace: nnx refuses modules from an outer one (scan).
         model: Any = nnx.merge(graphdef, params)
         logits_Bx1xV, cache = model.with_cache(chosen_B[:, None], positions_Bx1, cache)
-        done_B = done_B | _stopped(chosen_B, eos_ids)
+        done_B = done_B | _stopped(chosen_B, eos_E)
         return t + 1, logits_Bx1xV[:, 0].astype(jnp.float32), cache, tokens_BxN, done_B, kept
 
     def going(state: tuple) -> jax.Array:
@@ -159,11 +159,11 @@ def _recomputed(
     lengths_B: jax.Array,
     rows_B: jax.Array,
     seed: jax.Array,
+    eos_E: jax.Array,
     *,
     graphdef: nnx.GraphDef,
     new: int,
     settings: Settings,
-    eos_ids: tuple[int, ...],
     keep_logits: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
     """As _cached, for a model without a cache: the whole buffer (prompts padded on the
@@ -182,7 +182,7 @@ def _recomputed(
         if kept is not None:
             kept = kept.at[:, t].set(logits_BxV)
         buffer_BxS = buffer_BxS.at[rows, jnp.minimum(lengths_B + t, S - 1)].set(chosen_B)
-        return t + 1, buffer_BxS, tokens_BxN, done_B | _stopped(chosen_B, eos_ids), kept
+        return t + 1, buffer_BxS, tokens_BxN, done_B | _stopped(chosen_B, eos_E), kept
 
     def going(state: tuple) -> jax.Array:
         return (state[0] < new) & ~jnp.all(state[3])
@@ -237,9 +237,8 @@ class Sampler:
     def _program(self, key: tuple) -> Any:
         if key in self._programs:
             return self._programs[key]
-        rows, new, settings, eos_ids, keep_logits = key[0], key[2], key[3], key[4], key[5]
-        del rows
-        common = dict(new=new, settings=settings, eos_ids=eos_ids, keep_logits=keep_logits)
+        new, settings, keep_logits = key[2], key[3], key[5]
+        common = dict(new=new, settings=settings, keep_logits=keep_logits)
         if self.decoding.cache is not None:
             fn = functools.partial(
                 _cached,
@@ -254,7 +253,7 @@ class Sampler:
         replicated = mesh_lib.replicated(self.mesh)
         program = jax.jit(
             on_mesh(fn, self.mesh),
-            in_shardings=(self.shardings, rows_, rows_, rows_, replicated),
+            in_shardings=(self.shardings, rows_, rows_, rows_, replicated, replicated),
             out_shardings=(rows_, rows_ if keep_logits else None),
         )
         self._programs[key] = program
@@ -280,13 +279,16 @@ class Sampler:
             raise ValueError("an empty prompt: the model needs a token to start from")
         B, bucket = self.rows_per_batch(len(prompts)), self.prompt_bucket(longest)
         eos = tuple(sorted(set(int(i) for i in eos_ids)))
-        program = self._program((B, bucket, max_new, settings, eos, keep_logits))
+        # The stop ids are an argument (-1 never drawn pads them): one program for any.
+        eos_E = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
+        eos_E[: len(eos)] = eos
+        program = self._program((B, bucket, max_new, settings, len(eos_E), keep_logits))
         samples: list[Sample] = []
         logits: list[np.ndarray] = []
         for first in range(0, len(prompts), B):
             chunk = list(prompts[first : first + B])
             tokens_BxN, kept = program(
-                self.params, *self._batch(chunk, B, bucket, first, max_new), np.uint32(seed)
+                self.params, *self._batch(chunk, B, bucket, first, max_new), np.uint32(seed), eos_E
             )
             tokens_BxN = np.asarray(tokens_BxN)
             for i, prompt in enumerate(chunk):

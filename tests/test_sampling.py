@@ -143,6 +143,15 @@ def test_a_seed_gives_the_same_samples_on_1_and_8_devices():
             drawn.append([s.tokens for s in samples])
     assert drawn[0] == drawn[2] and drawn[1] == drawn[3]
     assert drawn[0] != drawn[1]  # another seed, other samples
+    # A stop id ends each row where it is first drawn, itself left out; rows without it run
+    # to the end (the ids are an argument of the same program).
+    stop = drawn[2][0][3]
+    samples, _ = sampler.generate(prompts, max_new=NEW, settings=settings, eos_ids=[stop, 999])
+    for sample, tokens in zip(samples, drawn[2], strict=True):
+        cut = tokens.index(stop) if stop in tokens else NEW
+        assert sample.tokens == tokens[:cut]
+        assert sample.finish_reason == ("eos" if stop in tokens else "length")
+    assert samples[0].finish_reason == "eos" and len(samples[0].tokens) <= 3
 
 
 @pytest.fixture(scope="module")

@@ -234,3 +234,24 @@ def test_export_copies_no_tokenizer_that_changed_since_the_run_started(
     (warned,) = [line for line in done.stdout.splitlines() if "warning" in line]
     assert "not the tokenizer the run's data was prepared with" in warned, warned
     assert not (tmp_path / "changed" / "tokenizer.json").exists()
+
+
+def test_sample_from_another_directory_encodes_and_decodes_with_the_run_s_tokenizer(
+    relative_run, tmp_path
+):
+    """`jaxkit sample` finds the tokenizer.json the run's data was prepared with through the
+    checkpoint's record (its paths were relative to the run's directory), from anywhere."""
+    here = relative_run.directory
+    elsewhere = tmp_path / "c"
+    elsewhere.mkdir()
+    prompt = CORPUS[0][:20]
+    done = jaxkit(
+        "sample", str(here / "run"), "--prompt", prompt, "--max-new-tokens", "4",
+        "--temperature", "0", "--json", cwd=elsewhere,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    tokenizer = Tokenizer.from_file(str(here / "hf" / "tokenizer.json"))
+    # As `data prepare` encoded the documents: no special tokens added.
+    assert line["prompt_tokens"] == tokenizer.encode(prompt, add_special_tokens=False).ids
+    assert line["text"] == tokenizer.decode(line["tokens"], skip_special_tokens=False)
