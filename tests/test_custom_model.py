@@ -12,6 +12,7 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from cli_run import jaxkit as run_cli
 from jax.sharding import PartitionSpec as P
 from small_configs import SMALL_LM
 from test_equivalence import (
@@ -361,3 +362,17 @@ def test_a_classifier_takes_the_mlps_data_and_the_datas_classes(model_dir):
     del config.model.num_classes
     with pytest.raises(ConfigError, match=r"no model.num_classes, which data.source='synthetic'"):
         validate(config)
+
+
+def test_a_model_of_your_own_samples_by_recomputing_the_prefix_and_says_so(model_dir, tmp_path):
+    """It has no key/value cache the kit knows: `jaxkit sample` runs it over the whole
+    prefix for each new token, and says so in one line."""
+    workdir = str(tmp_path / "run")
+    args = ["lm_tiny", *SMALL_LM, KIND, "train.steps=1", "train.eval_every=0"]
+    assert run_cli("train", *args, "--workdir", workdir, "--no-progress").returncode == 0
+    done = run_cli("sample", workdir, "--prompt", "ab", "--max-new-tokens", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    (note,) = done.stderr.splitlines()
+    assert note.startswith("note: mymodel:make is a model of your own") and "recomputes" in note
+    (line,) = [json.loads(x) for x in done.stdout.splitlines()]
+    assert line["prompt_tokens"] == [97, 98] and len(line["tokens"]) == 3
