@@ -194,9 +194,10 @@ def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run):
         done = jaxkit("sample", trained_run, *args)
         assert done.returncode == 2 and done.stdout == "", args
         assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
-    assert (
-        jaxkit("sample", trained_run, "--prompt", "def ", "--max-new-tokens", "12").returncode == 0
-    )
+    # Without --max-new-tokens: its default of 128, or as many as the positions allow.
+    fits = jaxkit("sample", trained_run, "--prompt", "def ", "--json")
+    assert fits.returncode == 0, fits.stderr
+    assert len(json.loads(fits.stdout)["tokens"]) == 12
 
 
 @pytest.mark.parametrize("tied", [False, True])

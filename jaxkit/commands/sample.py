@@ -21,6 +21,7 @@ OVERRIDABLE = ("mesh.", "model.attention", "model.compute_dtype")
 HF_PREFIX = "hf:"
 HF_CONFIG = "llama_tiny"  # an hf:DIR runs under it, its shape from config.json
 REPLACEMENT = "\N{REPLACEMENT CHARACTER}".encode()
+DEFAULT_NEW_TOKENS = 128
 
 
 def _temperature(text: str) -> float:
@@ -74,9 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     sample.add_argument(
         "--max-new-tokens",
         type=common.int_at_least(1),
-        default=128,
         metavar="N",
-        help="tokens generated per sample at most (default 128)",
+        help=f"tokens generated per sample at most (default {DEFAULT_NEW_TOKENS}, or fewer "
+        "where a model's learned positions end sooner: data.seq_len, prompt included)",
     )
     sample.add_argument(
         "--temperature",
@@ -286,7 +287,7 @@ def run(
         start_jax(opts.host_devices, False, not opts.no_compile_cache)
         source = _open_source(opts, load_config, apply_overrides)
         ids = [source.tokenizer.encode(p) for p in prompts]
-        _check_prompts(prompts, ids, source, opts.max_new_tokens)
+        opts.max_new_tokens = _check_prompts(prompts, ids, source, opts.max_new_tokens)
         samples = _generate(source, ids, opts)
     except (
         common.UsageError,
@@ -399,8 +400,17 @@ def _saved_config(saved: dict) -> ml_collections.ConfigDict:
     return config
 
 
-def _check_prompts(prompts: list[str], ids: list[list[int]], source: _Source, new: int) -> None:
-    """Refuses, before any work, what the model cannot generate from."""
+def _said(prompt: str, most: int = 40) -> str:
+    """A prompt as a refusal names it: its start, where it is long."""
+    return repr(prompt if len(prompt) <= most else prompt[:most] + "...")
+
+
+def _check_prompts(
+    prompts: list[str], ids: list[list[int]], source: _Source, asked: int | None
+) -> int:
+    """Refuses, before any work, what the model cannot generate from; returns the new
+    tokens to generate: those asked, or the default where the model's positions allow it
+    (else as many as they allow the longest prompt)."""
     from jaxkit.models import contract
 
     config = source.config
@@ -411,20 +421,25 @@ def _check_prompts(prompts: list[str], ids: list[list[int]], source: _Source, ne
             "generates no text"
         )
     vocab = int(config.model.vocab_size)
+    limit = decoding.max_positions
+    new = asked or DEFAULT_NEW_TOKENS
+    if asked is None and limit is not None:
+        new = max(1, min(new, limit - max(map(len, ids))))
     for prompt, tokens in zip(prompts, ids, strict=True):
         if not tokens:
-            raise common.UsageError(f"prompt {prompt!r} encodes to no token: give some text")
+            raise common.UsageError(f"prompt {_said(prompt)} encodes to no token: give some text")
         if max(tokens) >= vocab:
             raise common.UsageError(
-                f"prompt {prompt!r} encodes to id {max(tokens)} ({source.tokenizer.name}), "
+                f"prompt {_said(prompt)} encodes to id {max(tokens)} ({source.tokenizer.name}), "
                 f"beyond the model's vocabulary of {vocab}"
             )
-        limit = decoding.max_positions
         if limit is not None and len(tokens) + new > limit:
+            room = limit - len(tokens)
+            asking = f" and --max-new-tokens {new}" if asked is not None else ""
             raise common.UsageError(
-                f"prompt {prompt!r} is {len(tokens)} tokens and --max-new-tokens {new}: the "
-                f"model's learned positions end at data.seq_len={limit}, prompt included; "
-                f"give at most {max(limit - len(tokens), 0)} new tokens or a shorter prompt"
+                f"prompt {_said(prompt)} is {len(tokens)} tokens{asking}: the model's learned "
+                f"positions end at data.seq_len={limit}, prompt included; "
+                + (f"give at most {room} new tokens" if room > 0 else "give a shorter prompt")
             )
     if decoding.cache is None:
         print(
@@ -432,6 +447,7 @@ def _check_prompts(prompts: list[str], ids: list[list[int]], source: _Source, ne
             "kit knows: each new token recomputes the whole prefix",
             file=sys.stderr,
         )
+    return new
 
 
 def _generate(source: _Source, ids: list[list[int]], opts: argparse.Namespace) -> list[Any]:
