@@ -164,14 +164,16 @@ def trained_run(tmp_path_factory) -> str:
     return workdir
 
 
-def test_sample_prints_a_json_object_per_sample_from_a_runs_checkpoint(trained_run):
+def test_sample_prints_a_json_object_per_sample_from_a_runs_checkpoint(trained_run, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "é"}) + "\n\n" + json.dumps({"prompt": "x"}) + "\n")
     done = jaxkit(
-        "sample", trained_run, "mesh.fsdp=2", "--prompt", "def ", "--prompt", "é",
+        "sample", trained_run, "mesh.fsdp=2", "--prompt", "def ", "--prompts", str(prompts),
         "--num-samples", "2", "--max-new-tokens", "6", "--temperature", "0", "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [line["prompt"] for line in lines] == ["def ", "def ", "é", "é"]
+    assert [line["prompt"] for line in lines] == ["def ", "def ", "é", "é", "x", "x"]
     for line in lines:
         assert list(line) == ["prompt", "prompt_tokens", "tokens", "text", "finish_reason"]
         assert line["prompt_tokens"] == list(line["prompt"].encode())
@@ -181,10 +183,15 @@ def test_sample_prints_a_json_object_per_sample_from_a_runs_checkpoint(trained_r
     assert lines[0]["tokens"] == lines[1]["tokens"]  # greedy: one answer
 
 
-def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run):
+def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run, tmp_path):
     """The byte LM's learned positions end at data.seq_len=16, prompt included; a sample
     changes no model key."""
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    (tmp_path / "p.csv").write_text("a\n")
     cases = {
+        ("--prompts", str(tmp_path / "bad.jsonl")): "line 2 is not a JSON object",
+        ("--prompts", str(tmp_path / "p.csv")): "a .jsonl",
+        ("--prompt", "é", "--prompt", "\N{SNOWMAN}" * 6): "is 18 tokens",
         ("--prompt", "def ", "--max-new-tokens", "13"): "data.seq_len=16",
         ("model.d_model=64", "--prompt", "x"): "model.d_model=64",
         ("--prompt", "x", "--step", "7"): "--step 7",
