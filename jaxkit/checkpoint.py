@@ -321,10 +321,13 @@ def saved_steps(directory: str | os.PathLike) -> list[int]:
     return sorted(_manager(absolute(directory), create=False, step_prefix=STEP_PREFIX).all_steps())
 
 
-def restore_params(directory: str | os.PathLike, step: int) -> tuple[Any, dict]:
+def restore_params(
+    directory: str | os.PathLike, step: int, shardings: Any = None
+) -> tuple[Any, dict]:
     """(params, record) of the checkpoint at optimizer step `step`, the params alone (not
     the optimizer state) as host-readable arrays on one CPU device, shaped as the record's
-    config builds them."""
+    config builds them; or, with `shardings` (a tree like the params), placed as they say
+    (each device reads its own slices: `jaxkit sample` lays them out as the run trained)."""
     # The state's own handler restores whole trees only; the PyTree one it wraps reads the
     # same files and can leave the optimizer state on disk.
     manager = ocp.CheckpointManager(
@@ -337,11 +340,15 @@ def restore_params(directory: str | os.PathLike, step: int) -> tuple[Any, dict]:
     )
     meta = _read_meta(manager, step)
     one = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    abstract = abstract_params(ml_collections.ConfigDict(meta["config"]))
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: one, abstract)
     wanted = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
-        abstract_params(ml_collections.ConfigDict(meta["config"])),
+        lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+        abstract,
+        shardings,
     )
-    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=one), wanted)
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), wanted)
     restored = manager.restore(
         step,
         args=ocp.args.Composite(

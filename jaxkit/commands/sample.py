@@ -472,15 +472,15 @@ def _generate(source: _Source, ids: list[list[int]], opts: argparse.Namespace) -
         raise mesh_lib.MeshError(f"{err} (set mesh.* after SOURCE)") from None
     check_mesh_divides(config, shape)
     mesh = mesh_lib.make_mesh(shape, devices)
+    _, _, abstract, shardings = sampling.param_layout(config, mesh)
     if source.hf_dir is not None:
         from jaxkit.hf.load import check_finite, load_params
 
-        _, _, abstract, shardings = sampling.param_layout(config, mesh)
         params = load_params(source.hf_dir, config.model, abstract, shardings)
         check_finite(source.hf_dir, config.model, params)
     else:
         assert source.step is not None  # a workdir's source has its step
-        params, _ = restore_params(source.checkpoints, source.step)
+        params, _ = restore_params(source.checkpoints, source.step, shardings)
     sampler = sampling.Sampler(config, mesh, params)
     rows = [tokens for tokens in ids for _ in range(opts.num_samples)]
     settings = sampling.Settings(opts.temperature, opts.top_k, opts.top_p)

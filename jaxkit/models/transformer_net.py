@@ -169,6 +169,9 @@ class TransformerLM(nnx.Module):
         # The table whole before the lookup (FSDP gathers every param for its layer anyway):
         # a gather from a table sharded on d_model cannot make rows sharded by batch.
         table_VxD = constrain(self.embed.embedding[...], None, None)
-        pos_xLxD = self.pos_embed[:L] if positions_BxL is None else self.pos_embed[positions_BxL]
+        if positions_BxL is None:
+            pos_xLxD = self.pos_embed[:L]
+        else:  # a gather of rows as the token lookup is: from the table whole
+            pos_xLxD = jnp.take(constrain(self.pos_embed[...], None, None), positions_BxL, axis=0)
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0) + pos_xLxD
         return constrain(x_BxLxD.astype(self.dtype), "batch", None, None)
