@@ -234,11 +234,15 @@ class Sampler:
             bucket = -(-bucket // SPLASH_BLOCK) * SPLASH_BLOCK
         return bucket
 
-    def _program(self, key: tuple) -> Any:
+    def _program(
+        self, rows: int, bucket: int, new: int, settings: Settings, stops: int, keep_logits: bool
+    ) -> Any:
+        """The jitted generation of `new` tokens for `rows` prompts of `bucket` tokens with
+        `stops` stop ids, compiled on its first call."""
+        key = (rows, bucket, new, settings, stops, keep_logits)
         if key in self._programs:
             return self._programs[key]
-        new, settings, keep_logits = key[2], key[3], key[5]
-        common = dict(new=new, settings=settings, keep_logits=keep_logits)
+        common: dict[str, Any] = dict(new=new, settings=settings, keep_logits=keep_logits)
         if self.decoding.cache is not None:
             fn = functools.partial(
                 _cached,
@@ -282,7 +286,7 @@ class Sampler:
         # The stop ids are an argument (-1 never drawn pads them): one program for any.
         eos_E = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
         eos_E[: len(eos)] = eos
-        program = self._program((B, bucket, max_new, settings, len(eos_E), keep_logits))
+        program = self._program(B, bucket, max_new, settings, len(eos_E), keep_logits)
         samples: list[Sample] = []
         logits: list[np.ndarray] = []
         for first in range(0, len(prompts), B):
