@@ -201,6 +201,14 @@ def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run, 
         done = jaxkit("sample", trained_run, *args)
         assert done.returncode == 2 and done.stdout == "", args
         assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
+    # Values out of range: argparse's usage errors (its usage line, then the error).
+    for option, value, said in (
+        ("--seed", str(2**32), "--seed: must be below 2**32"),
+        ("--temperature", "nan", "--temperature: must be a finite number"),
+        ("--top-p", "0", "--top-p: must be in (0, 1]"),
+    ):
+        done = jaxkit("sample", trained_run, "--prompt", "x", option, value)
+        assert done.returncode == 2 and said in done.stderr.splitlines()[-1], done.stderr
     # Without --max-new-tokens: its default of 128, or as many as the positions allow.
     fits = jaxkit("sample", trained_run, "--prompt", "def ", "--json")
     assert fits.returncode == 0, fits.stderr

@@ -44,6 +44,13 @@ def _top_p(text: str) -> float:
     return value
 
 
+def _seed(text: str) -> int:
+    value = common.int_at_least(0)(text)
+    if value >= 2**32:
+        raise argparse.ArgumentTypeError(f"must be below 2**32 (a 32-bit key), got {value}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     sample = sub.add_parser(
         "sample",
@@ -107,7 +114,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     sample.add_argument(
         "--seed",
-        type=common.int_at_least(0),
+        type=_seed,
         default=0,
         metavar="S",
         help="the draws' seed (default 0): the same samples on any device count",
