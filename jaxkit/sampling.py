@@ -292,7 +292,10 @@ class Sampler:
         for first in range(0, len(prompts), B):
             chunk = list(prompts[first : first + B])
             tokens_BxN, kept = program(
-                self.params, *self._batch(chunk, B, bucket, first, max_new), np.uint32(seed), eos_E
+                self.params,
+                *self._batch(chunk, B, bucket, first, max_new, longest),
+                np.uint32(seed),
+                eos_E,
             )
             tokens_BxN = np.asarray(tokens_BxN)
             for i, prompt in enumerate(chunk):
@@ -302,12 +305,23 @@ class Sampler:
         return samples, logits
 
     def _batch(
-        self, chunk: list[Sequence[int]], B: int, bucket: int, first: int, max_new: int
+        self,
+        chunk: list[Sequence[int]],
+        B: int,
+        bucket: int,
+        first: int,
+        max_new: int,
+        longest: int,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The rows' tokens, where each starts (cache: left padding) or its length
-        (recomputed: right padding), and their rows' ids; rows past the prompts are padding."""
+        (recomputed: right padding), and their rows' ids; rows past the prompts are padding.
+        A recomputed row holds the bucket and the new tokens, but no more than the run's
+        data.seq_len where the samples fit in it: a model may take no longer rows."""
         cached = self.decoding.cache is not None
         width = bucket if cached else bucket + max_new
+        seq_len = self.config.data.get("seq_len")
+        if not cached and seq_len and longest + max_new <= seq_len:
+            width = min(width, int(seq_len))
         tokens = np.zeros((B, width), np.int32)
         where = np.full((B,), bucket - 1 if cached else 1, np.int32)
         for i, prompt in enumerate(chunk):

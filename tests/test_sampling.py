@@ -16,6 +16,7 @@ from jaxkit import mesh as mesh_lib
 from jaxkit import sampling
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.models import build_model
+from jaxkit.models.common import Decoding
 
 # Tiny shapes: compiling is most of each test's time. Prompts of 3, 5 and 1 tokens pad on
 # the left to different lengths in one batch.
@@ -242,3 +243,20 @@ def test_greedy_from_an_hf_dir_gives_the_flax_llamas_greedy_tokens(tmp_path, tie
         assert top2[1] - top2[0] > 1e-4, f"near-tie at step {t}"
         row[0, len(prompt) + t] = int(np.argmax(logits))
     assert sampled == row[0, len(prompt) :].tolist()
+
+
+def test_recomputing_the_prefix_gives_the_tokens_the_cache_gives():
+    """The path a model of your own takes (no cache: the whole prefix each step, rows padded
+    on the right), run on the byte LM, draws what its cache draws. Its rows stay within
+    data.seq_len=32 (a bucket of 16 and 20 new tokens would not: learned positions end)."""
+    config, model = _model("lm_tiny", "mesh.data=1")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    cached = sampling.Sampler(config, _mesh(config, 1), params)
+    recomputed = sampling.Sampler(config, _mesh(config, 1), params)
+    recomputed.decoding = Decoding(cache=None, max_positions=32)
+    settings = sampling.Settings(temperature=0.7, top_k=40)
+    drawn = [
+        [s.tokens for s in sampler.generate(PROMPTS, max_new=20, settings=settings)[0]]
+        for sampler in (cached, recomputed)
+    ]
+    assert drawn[0] == drawn[1]
