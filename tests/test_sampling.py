@@ -182,6 +182,14 @@ def test_sample_prints_a_json_object_per_sample_from_a_runs_checkpoint(trained_r
         assert len(line["tokens"]) == 6 and line["finish_reason"] == "length"
         assert line["text"] == bytes(line["tokens"]).decode(errors="replace")
     assert lines[0]["tokens"] == lines[1]["tokens"]  # greedy: one answer
+    # Without --json: each sample's prompt and text, a blank line between samples.
+    done = jaxkit(
+        "sample", trained_run, "mesh.fsdp=2", "--prompt", "def ", "--prompts", str(prompts),
+        "--num-samples", "2", "--max-new-tokens", "6", "--temperature", "0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected = "\n".join(line["prompt"] + line["text"] + "\n" for line in lines)
+    assert done.stdout == expected
 
 
 def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run, tmp_path):
