@@ -199,3 +199,49 @@ def test_a_scanned_model_names_the_layer_whose_weight_is_not_finite(good, tmp_pa
     hf_load.apply_init_from(config)
     _, state = loaded_state(config, {"data": 2, "fsdp": 2, "tensor": 2})
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+
+
+# Fields transformers reads null as their default: the width from the sizes, no sliding
+# window, no rope scaling. Every other field the loader reads is refused null.
+NULLABLE = ("head_dim", "sliding_window", "rope_scaling", "num_key_value_heads")
+NULL_REFUSED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+    "rope_theta",
+    "rms_norm_eps",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+)
+
+
+def test_a_null_config_json_field_is_refused_unless_transformers_reads_null(good, tmp_path):
+    """`"rope_theta": null` was taken as 10000 (a missing field's default) and exported as
+    null; null is a wrong value for it, said as the field's rule words it."""
+    directory = copy_of(good, tmp_path, "hf")
+    for field in NULL_REFUSED:
+        (directory / "config.json").write_text(json.dumps(good[1] | {field: None}))
+        refused(
+            *train_line(tmp_path, directory), says=[f"hf:{directory}: config.json {field}=null"]
+        )
+    assert not (tmp_path / "run").exists()
+    # A missing rope_theta keeps transformers' default, as before.
+    cfg = {k: v for k, v in good[1].items() if k != "rope_theta"}
+    config = small_config(f"model.init_from=hf:{directory}")
+    (directory / "config.json").write_text(json.dumps(cfg))
+    hf_load.apply_init_from(config)
+    assert config.model.rope_theta == 10000.0
+    # null where transformers takes the default: kv heads as many as heads (4 here, as the
+    # key/value weights are made for), the width from the sizes, no window, no scaling.
+    m = small_config("model.num_kv_heads=4").model
+    write_hf(tmp_path / "mha", m)
+    cfg = json.loads((tmp_path / "mha" / "config.json").read_text())
+    (tmp_path / "mha" / "config.json").write_text(json.dumps(cfg | dict.fromkeys(NULLABLE)))
+    config = small_config(f"model.init_from=hf:{tmp_path / 'mha'}")
+    hf_load.apply_init_from(config)
+    assert (config.model.num_kv_heads, config.model.head_dim) == (4, None)
+    assert config.model.rope_scaling is None

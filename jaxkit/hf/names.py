@@ -261,7 +261,7 @@ def model_keys_from_hf_config(
         raise ConfigError(
             f"config.json hidden_act={act!r}: jaxkit's Llama MLP is SwiGLU (hidden_act 'silu')"
         )
-    window = _field(cfg, "sliding_window", POSITIVE, None)
+    window = _field(cfg, "sliding_window", POSITIVE, None, nullable=True)
     if (
         window is not None
         and _field(cfg, "use_sliding_window", boolean(), True)
@@ -273,8 +273,8 @@ def model_keys_from_hf_config(
         )
     d_model = _field(cfg, "hidden_size", POSITIVE)
     heads = _field(cfg, "num_attention_heads", POSITIVE)
-    kv_heads = _field(cfg, "num_key_value_heads", POSITIVE, heads)
-    width = _field(cfg, "head_dim", POSITIVE, None)
+    kv_heads = _field(cfg, "num_key_value_heads", POSITIVE, heads, nullable=True)
+    width = _field(cfg, "head_dim", POSITIVE, None, nullable=True)
     # The relations that size the tensors (the model's other rules, an even head width among
     # them, are validation's): checked here, before the weights are held against them.
     if width is None and d_model % heads:
@@ -316,13 +316,22 @@ def _shown(value: object) -> str:
     return json.dumps(value)
 
 
-def _field(cfg: Mapping[str, Any], field: str, rule: Rule, default: Any = REQUIRED) -> Any:
+def _field(
+    cfg: Mapping[str, Any],
+    field: str,
+    rule: Rule,
+    default: Any = REQUIRED,
+    *,
+    nullable: bool = False,
+) -> Any:
     """config.json's `field`, which `rule` holds (keys.py's rules, as the model key it
-    becomes is held to them). Absent or null it takes `default`; without one it is refused
-    as missing, not taken from transformers' defaults (7B's sizes), which no small
-    checkpoint's weights would match."""
+    becomes is held to them). Absent it takes `default`; without one it is refused as
+    missing, not taken from transformers' defaults (7B's sizes), which no small
+    checkpoint's weights would match. Null is a wrong value, refused as the rule words it,
+    except where `nullable`: a field transformers reads null as its default (a width from
+    the sizes, as many key/value heads as heads, no sliding window) takes `default` then."""
     value = cfg.get(field)
-    if value is None:
+    if field not in cfg or (value is None and nullable):
         if default is REQUIRED:
             raise ConfigError(
                 f"config.json gives no {field}: a Llama checkpoint's config.json must give "
