@@ -496,6 +496,12 @@ def apply_overrides(
                     f"{early[0]} comes before {key} on the line, which sets it whole: give "
                     "a field after the whole value"
                 )
+            declared = _optional_keys(config).get(key)
+            if value is not None and declared is not None and declared.normalise is not None:
+                try:
+                    value = declared.normalise(value)
+                except ConfigError as err:
+                    raise ConfigError(f"{key}: {err}") from None
             if value is not None:
                 del node[leaf]  # a field typed dict or null would not take a ConfigDict
             node[leaf] = value  # a dict becomes a ConfigDict: its fields can be set one by one

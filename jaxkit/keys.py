@@ -58,6 +58,9 @@ class Key:
         is logged or saved; not what is trained).
     added: for a key added after runs were saved, the value a saved config without it ran
         as (read at a resume); ALWAYS for keys every checkpoint has.
+    normalise: for a dict-valued key, what an override's JSON object becomes before it is
+        set (a spelling another tool writes, said once); it raises ConfigError for a dict
+        it cannot take.
     """
 
     name: str
@@ -67,6 +70,7 @@ class Key:
     type: type | None = None
     resumable: bool = False
     added: object = ALWAYS
+    normalise: Callable[[dict], dict] | None = None
 
     @property
     def section(self) -> str:

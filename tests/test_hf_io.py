@@ -680,3 +680,31 @@ def test_export_finds_a_tokenizer_prepare_was_given_relative_to_another_cwd(tmp_
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
         tmp_path / "a" / "tok" / "tokenizer.json"
     ).read_bytes(), warned
+
+
+def test_config_jsons_rope_scaling_pasted_with_its_rope_type_agrees(tmp_path):
+    """docs/pretrained.md: an override may repeat config.json's value. config.json's
+    rope_scaling names its rope_type, which model.rope_scaling refused, with model.init_from
+    (as a contradiction) and without; HF's older "type" likewise. Another type is refused."""
+    write_hf(tmp_path / "hf", small_config(LLAMA3_SCALING).model)
+    pasted = json.loads((tmp_path / "hf" / "config.json").read_text())["rope_scaling"]
+    assert pasted["rope_type"] == "llama3"
+    plan = ["plan", "llama_tiny", *SMALL]
+    init_from = f"model.init_from=hf:{tmp_path / 'hf'}"
+    older = {k: v for k, v in pasted.items() if k != "rope_type"} | {"type": "llama3"}
+    for given in (pasted, older):
+        override = f"model.rope_scaling={json.dumps(given)}"
+        for line in ([*plan, init_from], plan):
+            code, _, err = run_cli(*line, override)
+            assert code == 0, err
+        config = small_config(override)  # held as the four fields, as config.json's is
+        assert config.model.rope_scaling.to_dict() == LLAMA3_FIELDS
+    dynamic = pasted | {"rope_type": "dynamic"}
+    refused(
+        *plan,
+        f"model.rope_scaling={json.dumps(dynamic)}",
+        says=["model.rope_scaling: rope_type 'dynamic' is not supported"],
+    )
+
+
+LLAMA3_FIELDS = json.loads(LLAMA3_SCALING.split("=", 1)[1])

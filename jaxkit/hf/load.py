@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxkit.config import ADDED_DEFAULTS, ConfigError, parse_value
 from jaxkit.hf import names
+from jaxkit.models import llama
 
 if TYPE_CHECKING:
     import jax
@@ -226,6 +227,8 @@ def _contradicted(
         if isinstance(expected, Mapping) and field in expected:
             return None if value == expected[field] else repr(expected[field])
         return repr(expected)  # no such field there: config.json says otherwise
+    if key == "model.rope_scaling" and isinstance(value, dict):
+        value = llama.rope_scaling_fields(value)  # config.json's rope_type, said once
     if key == "model.head_dim" and expected is None:
         expected = cfg["hidden_size"] // cfg["num_attention_heads"]
         return None if value in (None, expected) else f"None, a width of {expected}"

@@ -91,6 +91,24 @@ def _rope_scaling_problem(value: object) -> str | None:
     return None
 
 
+# Hugging Face's name of the one scaling model.rope_scaling is ("type" in older files).
+ROPE_TYPE = "llama3"
+
+
+def rope_scaling_fields(value: dict) -> dict:
+    """A model.rope_scaling dict as the key holds it: Hugging Face's rope_type ("type" in
+    older config.json files) said once, so config.json's dict may be pasted as it is; a
+    rope type other than llama3 is refused, naming it."""
+    named = [field for field in ("rope_type", "type") if field in value]
+    for field in named:
+        if value[field] != ROPE_TYPE:
+            raise ConfigError(
+                f"{field} {show(value[field])} is not supported: jaxkit's Llama scales rotary "
+                f"frequencies as Llama 3.1 does ({field} {ROPE_TYPE!r}) or not at all (null)"
+            )
+    return {field: v for field, v in value.items() if field not in named}
+
+
 ROPE_SCALING = Rule(
     "null, or a dict: factor ≥ 1, 0 < low_freq_factor < high_freq_factor, "
     "original_max_position_embeddings",
@@ -137,9 +155,11 @@ KEYS: tuple[Key, ...] = (
         ROPE_SCALING,
         "null, or Llama 3.1's rotary frequency scaling (Hugging Face's rope_type llama3): "
         "a dict of factor, low_freq_factor, high_freq_factor and "
-        "original_max_position_embeddings; on the command line as JSON",
+        "original_max_position_embeddings; on the command line as JSON, where "
+        'config.json\'s "rope_type": "llama3" may be repeated',
         type=dict,
         added=None,
+        normalise=rope_scaling_fields,
     ),
     # Read before validation (jaxkit/hf/load.py): config.json's architecture replaces the
     # model keys. Only a fresh start reads the weights, so a resume may leave it as it is.
