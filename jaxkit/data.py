@@ -288,13 +288,16 @@ def _check_ids(config: ml_collections.ConfigDict, train: Any, held_out: Any, fac
         raise DataError(f"data.path={d.path!r} holds token id {low}: ids are ≥ 0")
     if top >= vocab:
         said = f"data.path={d.path!r} holds token id {top}, not below model.vocab_size={vocab}"
+        # .npy files state their dtype, which data.token_dtype does not change
+        check = f"data.token_dtype={dtype!r}" if flat else ""
         if init_from is not None:
             raise DataError(
                 f"{said}, model.init_from={init_from}'s: the data was made with another "
-                f"tokenizer (or check data.token_dtype={dtype!r})"
+                "tokenizer" + (f" (or check {check})" if check else "")
             )
         raise DataError(
-            f"{said}: set model.vocab_size={top + 1} (or more), or check data.token_dtype={dtype!r}"
+            f"{said}: set model.vocab_size={top + 1} (or more)"
+            + (f", or check {check}" if check else "")
         )
 
 

@@ -327,10 +327,13 @@ def read_safetensors(path):
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
 
-def save_untouched(config, workdir, tokenizer=None):
-    """A checkpoint at step 0 of params as loaded, as a run's would be, and its record."""
+def save_untouched(config, workdir, tokenizer=None, source=None):
+    """A checkpoint at step 0 of params as loaded, as a run's would be, and its record
+    (with `source`, hf_load.source_record's, as a run from model.init_from records it)."""
     _, state = loaded_state(config, {"data": 2, "fsdp": 2, "tensor": 2})
     meta = {"config": config.to_dict(), "loop": {"step": 0, "micro": 0, "examples_seen": 0}}
+    if source is not None:
+        meta["hf_source"] = source
     if tokenizer is not None:
         meta["data"] = {"fingerprint": {"tokenizer": str(tokenizer)}}
     checkpointer = Checkpointer(workdir / "checkpoints", keep=1, warn=print)
@@ -708,3 +711,22 @@ def test_config_jsons_rope_scaling_pasted_with_its_rope_type_agrees(tmp_path):
 
 
 LLAMA3_FIELDS = json.loads(LLAMA3_SCALING.split("=", 1)[1])
+
+
+def test_a_mixed_dtype_export_says_how_many_tensors_each_dtype_holds(tmp_path):
+    """`21 tensors in bfloat16 (6 in float16, ...)` read as if all 21 were bfloat16."""
+    m = small_config().model  # 21 tensors: 2 layers of 9, the table, the norm, the head
+    tensors = write_hf(tmp_path / "hf", m)
+    order = list(tensors)
+    for name in order[:5]:
+        tensors[name] = tensors[name].astype(np.float32)
+    for name in order[5:8]:
+        tensors[name] = tensors[name].astype(np.float16)
+    safetensors.numpy.save_file(tensors, tmp_path / "hf" / "model.safetensors")
+    config = small_config(f"model.init_from=hf:{tmp_path / 'hf'}")
+    hf_load.apply_init_from(config)
+    save_untouched(config, tmp_path / "run", source=hf_load.source_record(tmp_path / "hf", m))
+    code, printed, err = run_cli("export", str(tmp_path / "run"), "--hf", str(tmp_path / "out"))
+    assert code == 0, err
+    said = f"21 tensors: 13 in bfloat16, 5 in float32, 3 in float16, as hf:{tmp_path / 'hf'}"
+    assert said in printed, printed

@@ -589,3 +589,21 @@ def test_a_train_bin_rewritten_past_its_first_block_is_refused_at_a_resume(tmp_p
     ), err
     assert len(lines) == 3 and lines[1].startswith("  shard_digest '"), err
     assert "resuming" not in out
+
+
+def test_an_id_beyond_the_vocabulary_names_token_dtype_only_where_it_applies(tmp_path):
+    """A .npy file states its dtype, which data.token_dtype does not change: its refusal
+    suggested checking that key all the same. A .bin file's still does."""
+    ids = np.arange(301, dtype=np.uint16)  # up to 300, beyond a vocabulary of 257
+    np.save(tmp_path / "t.npy", ids)
+    ids.tofile(tmp_path / "t.bin")
+    for name, names_dtype in (("t.npy", False), ("t.bin", True)):
+        done = jaxkit(
+            "train", "lm_tiny", *SMALL_LM, "data.source=tokens",
+            f"data.path={tmp_path / name}", "model.vocab_size=257",
+            "--workdir", str(tmp_path / "run"), "--no-progress",
+        )  # fmt: skip
+        err = done.stderr.splitlines()
+        assert done.returncode == 2 and len(err) == 1, (name, done.returncode, err)
+        assert "token id 300, not below model.vocab_size=257" in err[0], err[0]
+        assert ("data.token_dtype" in err[0]) == names_dtype, err[0]

@@ -104,7 +104,7 @@ def export_hf(
     (target / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     copied = _copy_tokenizer(meta, config, target, echo)
     echo(
-        f"wrote {target}: step {step}, {len(tensors)} tensors in {_in_dtypes(dtypes, source)}"
+        f"wrote {target}: step {step}, {len(tensors)} tensors{_in_dtypes(dtypes, source)}"
         + (f", {copied}" if copied else "")
     )
     return cfg
@@ -127,11 +127,13 @@ def _check_in_range(params: dict[str, np.ndarray], tensors: dict[str, np.ndarray
 
 
 def _in_dtypes(dtypes: dict[str, str], source: dict | None) -> str:
-    """The dtypes written, e.g. `bfloat16 (2 in float32), as hf:DIR stored them`."""
+    """The dtypes written, after the count of tensors: ` in bfloat16` where all share one,
+    else each's count, `: 19 in bfloat16, 2 in float32, as hf:DIR stored them`."""
     counts = collections.Counter(dtypes.values()).most_common()
-    said = counts[0][0]
-    if len(counts) > 1:
-        said += " (" + ", ".join(f"{n} in {d}" for d, n in counts[1:]) + ")"
+    if len(counts) == 1:
+        said = f" in {counts[0][0]}"
+    else:
+        said = ": " + ", ".join(f"{n} in {d}" for d, n in counts)
     if source is not None and all(
         d == (source.get("other_dtypes") or {}).get(name, source["dtype"])
         for name, d in dtypes.items()
