@@ -9,7 +9,9 @@ DIR (hf/load.py's source_record, in every checkpoint's record), so DIR need not 
 by default each tensor is written in the dtype the source stored it in, and config.json is
 the source's with only what the run's model keys change (names.carried_config). A model
 loaded from bfloat16 weights into float32 params and exported untouched gives the source
-back, bit for bit. Other runs write model.param_dtype and a config.json of their model keys.
+back, bit for bit. Other runs write model.param_dtype and a config.json of their model keys,
+with the token ids of their data's meta.json (eod_id as eos_token_id, a --bos id as
+bos_token_id).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def export_hf(
     else:
         cfg = names.hf_config_from_model(
             m, torch_dtype=dtype, max_position_embeddings=max(2048, seq_len)
-        )
+        ) | _token_ids(meta)
     target.mkdir(parents=True, exist_ok=True)
     from safetensors.numpy import save_file
 
@@ -108,6 +110,16 @@ def export_hf(
         + (f", {copied}" if copied else "")
     )
     return cfg
+
+
+def _token_ids(meta: dict) -> dict[str, int]:
+    """config.json's eos_token_id (the data's end-of-document id) and bos_token_id (where
+    `jaxkit data prepare --bos` put one before each document), from the token data's
+    meta.json as the run recorded it (its fingerprint): without them transformers takes
+    Llama's 1 and 2, and generate() does not stop where the run learned documents end."""
+    prepared = ((meta.get("data") or {}).get("fingerprint")) or {}
+    fields = {"eos_token_id": prepared.get("eod_id"), "bos_token_id": prepared.get("bos_id")}
+    return {field: i for field, i in fields.items() if isinstance(i, int)}
 
 
 def _check_in_range(params: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> None:
