@@ -11,8 +11,9 @@
    memory. Runs go in PRIORITY order until --budget-s is spent; what is left is listed as
    skipped, for --only to take.
 3. traces: a `train.profile_steps` trace of two optimizer steps (the second samples the
-   noise scale) of the fastest lm_125m and lm_1b runs, through `jaxkit train`, its Perfetto
-   file copied flat to OUT/<config>-trace.json.gz and held under 16 MiB.
+   noise scale, whose program a step before the trace compiled) of the fastest lm_125m and
+   lm_1b runs, through `jaxkit train`, its Perfetto file copied flat to
+   OUT/<config>-trace.json.gz and held under 16 MiB.
 4. imports (--dry-run only): every module the stages import resolves to the standard
    library, a package of the GPU image (IMAGE) or a wheel carried in .whl/.
 
@@ -277,18 +278,27 @@ def traces(args: argparse.Namespace, measured: dict, out: pathlib.Path) -> dict:
     return found
 
 
-def _trace(config: str, best: dict, dry_run: bool, out: pathlib.Path) -> dict:
-    b = best["per_device_batch_size"]
-    overrides = [f"model.attention={best['kernel']}", f"batch.per_device_batch_size={b}"]
+def trace_overrides(kernel: str, per_device_batch_size: int, dry_run: bool) -> list[str]:
+    """`jaxkit train`'s overrides for the trace of one run on the one device."""
+    b = per_device_batch_size
+    overrides = [f"model.attention={kernel}", f"batch.per_device_batch_size={b}"]
     overrides += [f"batch.global_batch_size={b}", "batch.grad_accum_steps=null"]
     overrides += ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1"]  # the one device
-    # Steps 5 and 6 (profile_steps counts from 0): the 5th samples the noise scale.
-    overrides += ["train.steps=6", "train.profile_steps=4:6", "train.noise_scale_every=5"]
+    # Steps 5 and 6 traced (profile_steps counts from 0); steps 3 and 6 sample the noise
+    # scale: the 3rd compiles its program before the trace, so the 6th, the second traced
+    # step, records what sampling costs a step, not its first trace, lowering and compile.
+    overrides += ["train.steps=6", "train.profile_steps=4:6", "train.noise_scale_every=3"]
     overrides += ["train.eval_every=0", "train.eval_examples=4", "train.log_every=1"]
     if dry_run:
         overrides += ["model.d_model=128", "model.num_layers=2", "model.num_heads=4"]
         overrides += ["model.num_kv_heads=4", "model.mlp_dim=384", "data.seq_len=128"]
         overrides += ["model.vocab_size=256"]
+    return overrides
+
+
+def _trace(config: str, best: dict, dry_run: bool, out: pathlib.Path) -> dict:
+    b = best["per_device_batch_size"]
+    overrides = trace_overrides(best["kernel"], b, dry_run)
     with tempfile.TemporaryDirectory() as work:
         argv = ["-m", "jaxkit", "train", config, *overrides, "--workdir", work, "--no-progress"]
         if dry_run:  # one CPU device, as the GPU machine has one GPU (8 is the CPU default)

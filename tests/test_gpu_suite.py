@@ -43,3 +43,21 @@ def test_the_suite_refuses_an_unknown_config_for_only():
         assert exit_.code == 2
     else:
         raise AssertionError("--only lm_7b was accepted")
+
+
+def test_the_trace_samples_the_noise_scale_before_its_window_and_at_its_second_step():
+    # The first sampled step traces, lowers and compiles the noise-scale program (5.0 s
+    # for lm_125m against a 0.79 s step): a step before the window takes that, so the
+    # second traced step records what sampling costs a step.
+    from jaxkit.config import parse_profile_steps
+    from jaxkit.noise_scale import samples_at
+
+    given = dict(o.split("=", 1) for o in _suite().trace_overrides("xla", 4, dry_run=False))
+    steps = int(given["train.steps"])
+    start, end = parse_profile_steps(given["train.profile_steps"], steps)
+    every = int(given["train.noise_scale_every"])
+    traced = list(range(start + 1, end + 1))  # metrics.jsonl's step numbers, 1 first
+    sampled = [n for n in range(1, steps + 1) if samples_at(n, every)]
+    assert len(traced) == 2 and traced[-1] <= steps
+    assert [n for n in sampled if n in traced] == [traced[1]]
+    assert any(n < traced[0] for n in sampled)
