@@ -68,17 +68,36 @@ def _names(path: tuple) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def config_conflicts(saved: dict, current: dict) -> list[str]:
-    """Lines `key: saved -> current` for every difference that would change the model."""
+def config_conflicts(
+    saved: dict,
+    current: dict,
+    saved_paths: dict | None = None,
+    current_paths: dict | None = None,
+) -> list[str]:
+    """Lines `key: saved -> current` for every difference that would change the model.
+
+    A key that names an input (data.path) is compared as the absolute location it named
+    where each run started (`saved_paths`, `current_paths`: data.input_paths), so the same
+    directory written from another working directory is no change, and the same relative
+    string naming another directory is one. A checkpoint that recorded no location (saved
+    before runs did) has its strings compared."""
     # Runs saved before a key existed ran with its default.
     old, new = ADDED_DEFAULTS | flatten(saved), ADDED_DEFAULTS | flatten(current)
+    saved_paths, current_paths = saved_paths or {}, current_paths or {}
     lines = []
     for key in sorted(old.keys() | new.keys()):
-        if resumable(key) or old.get(key) == new.get(key):
+        if resumable(key):
             continue
-        lines.append(
-            f"  {key}: {old.get(key, '<absent>')!r} (saved) -> {new.get(key, '<absent>')!r}"
-        )
+        was, now = old.get(key, "<absent>"), new.get(key, "<absent>")
+        if key in saved_paths and key in current_paths:
+            if saved_paths[key] != current_paths[key]:
+                lines.append(
+                    f"  {key}: {was!r} (saved, {saved_paths[key]}) -> {now!r} "
+                    f"({current_paths[key]})"
+                )
+            continue
+        if was != now:
+            lines.append(f"  {key}: {was!r} (saved) -> {now!r}")
     return lines
 
 
@@ -87,6 +106,9 @@ FINGERPRINT = "fingerprint"
 # The key of data facts that says where their tokenizer lies (data.TOKENIZER): a record for
 # an export, not what the data is, so never compared.
 _TOKENIZER = "tokenizer"
+# The key of data facts that records where the config's input paths lie (data.PATHS): held
+# against the config's keys (config_conflicts), not compared as facts of the data.
+_PATHS = "paths"
 
 
 def data_changes(saved: dict | None, current: dict | None) -> list[str]:
@@ -98,7 +120,7 @@ def data_changes(saved: dict | None, current: dict | None) -> list[str]:
     both = FINGERPRINT in saved and FINGERPRINT in current
 
     def facts(data: dict) -> dict[str, object]:
-        rows = {key: value for key, value in data.items() if key not in (FINGERPRINT, _TOKENIZER)}
+        rows = {k: v for k, v in data.items() if k not in (FINGERPRINT, _TOKENIZER, _PATHS)}
         return rows | (flatten(data[FINGERPRINT]) if both else {})
 
     old, new = facts(saved), facts(current)
@@ -509,7 +531,12 @@ def _check_same_run(
     meta: dict, checkpointer: Checkpointer, current: dict, data: dict | None
 ) -> None:
     """The saved run trained the same model on the same data, or resuming means nothing."""
-    conflicts = config_conflicts(meta["config"], current)
+    conflicts = config_conflicts(
+        meta["config"],
+        current,
+        (meta.get("data") or {}).get(_PATHS),
+        (data or {}).get(_PATHS),
+    )
     if conflicts:
         raise CheckpointError(
             f"{checkpointer.directory.parent} holds a run with a different config; "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pathlib
 import sysconfig
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.batch_schedule import Position as Position  # re-exported for the loop
 from jaxkit.config import is_lm
+from jaxkit.workdir import is_local
 
 # "inputs" and "targets", one entry per row asked for, and "weights" where rows are not
 # scored everywhere: one per target (float32; 0 = not scored, e.g. a prompt or padding).
@@ -547,12 +549,31 @@ def checked_sources(config: ml_collections.ConfigDict, largest: BatchPlan) -> tu
 TOKENIZER = "tokenizer"
 
 
-def data_facts(train_source: Source, eval_source: Source) -> dict:
+# The key of data facts that records where the config's input paths lie (input_paths).
+PATHS = "paths"
+
+
+def input_paths(config: ml_collections.ConfigDict) -> dict[str, str]:
+    """The config's keys that name an input file or directory (data.path), each as the
+    absolute location it names from this working directory (a URL as it is): a resume
+    from another directory holds these, not the strings, against the saved run's."""
+    path = config.get("data", {}).get("path")
+    if not isinstance(path, str) or not path:
+        return {}
+    return {"data.path": os.path.abspath(path) if is_local(path) else path}
+
+
+def data_facts(
+    train_source: Source, eval_source: Source, paths: dict[str, str] | None = None
+) -> dict:
     """What a checkpoint must be resumed on: the same rows of each split and, for token
     files, the same tokens (their fingerprint; see token_files.fingerprint). Token files
     that name their tokenizer add its record (jaxkit/tokenizer.py), which a resume does not
-    compare (the fingerprint holds the tokenizer as prepare was given it)."""
+    compare (the fingerprint holds the tokenizer as prepare was given it). `paths`
+    (input_paths) is recorded as it is: a resume holds it against the config's strings."""
     facts: dict = {"train_rows": len(train_source), "eval_rows": len(eval_source)}
+    if paths:
+        facts[PATHS] = paths
     fingerprint = getattr(train_source, "fingerprint", None)
     if fingerprint is not None:
         facts["fingerprint"] = fingerprint

@@ -225,7 +225,7 @@ def _set_up(
     train_source, eval_source = data_lib.checked_sources(config, schedule.largest)
     # What a checkpoint must be resumed on: the same rows, and for token files the same
     # tokens (re-prepared data is other data).
-    data_facts = data_lib.data_facts(train_source, eval_source)
+    data_facts = data_lib.data_facts(train_source, eval_source, data_lib.input_paths(config))
     setup = build(config, plan, mesh, schedule)
     check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")

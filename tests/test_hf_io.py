@@ -730,29 +730,3 @@ def test_a_mixed_dtype_export_says_how_many_tensors_each_dtype_holds(tmp_path):
     assert code == 0, err
     said = f"21 tensors: 13 in bfloat16, 5 in float32, 3 in float16, as hf:{tmp_path / 'hf'}"
     assert said in printed, printed
-
-
-def test_an_export_of_a_run_from_random_weights_names_its_datas_token_ids(tmp_path):
-    """config.json had no bos/eos_token_id, so transformers took Llama's 1 and 2 while the
-    data's documents ended with its eod_id: generate() never stopped. Both come from the
-    data's meta.json (bos_id: data prepared with --bos, a BOS before each document)."""
-    rng = np.random.default_rng(0)
-    docs = [
-        ([0, *rng.integers(2, 64, 5).tolist()], rng.integers(2, 64, 4).tolist()) for _ in range(30)
-    ]
-    meta = write_prepared(
-        tmp_path / "data", {"train": docs, "eval": docs[:8]}, vocab_size=64, eod_id=1
-    )
-    meta["bos_id"] = 0
-    (tmp_path / "data" / "meta.json").write_text(json.dumps(meta))
-    code, _, err = run_cli(
-        "train", "llama_tiny", *SMALL, "model.vocab_size=64", "data.source=tokens",
-        f"data.path={tmp_path / 'data'}", "train.steps=1", "train.eval_every=0",
-        "model.num_layers=1", "batch.global_batch_size=8", "batch.per_device_batch_size=1",
-        "--workdir", str(tmp_path / "run"), "--no-progress",
-    )  # fmt: skip
-    assert code == 0, err
-    code, _, err = run_cli("export", str(tmp_path / "run"), "--hf", str(tmp_path / "out"))
-    assert code == 0, err
-    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (cfg["eos_token_id"], cfg["bos_token_id"]) == (meta["eod_id"], meta["bos_id"]) == (1, 0)
