@@ -421,16 +421,35 @@ def _check_auto(
             f"and the whole of it. Start with batch.global_batch_size > {SMALL_BATCH_ROWS} "
             f"(this plan has {first.global_batch_size})"
         )
+    check_auto_samples(config, g0)
+    if config.train.get("examples") is None:
+        raise BatchPlanError(
+            "batch.schedule=auto decides the global batch as the run goes, so its length "
+            "in optimizer steps is not known: give train.examples (and train.steps=null)"
+        )
+
+
+def check_auto_samples(config: ml_collections.ConfigDict, first_global_batch: int) -> None:
+    """That a batch.schedule=auto run samples the noise scale at some step before its last,
+    where it has a step left to train at the batch that sample decides."""
     # A config saved before train.noise_scale_every sampled every step.
-    if not config.train.get("noise_scale_every", 1):
+    every = int(config.train.get("noise_scale_every", 1))
+    if not every:
         raise BatchPlanError(
             "train.noise_scale_every=0 turns off the gradient noise scale that "
             "batch.schedule=auto decides on: sample it every N > 0 steps (default 10)"
         )
     if config.train.get("examples") is None:
+        return
+    # The batch stays the first until a sampled step doubles it: at most this many steps.
+    g0, examples = first_global_batch, int(config.train.examples)
+    longest = -(-examples // g0)
+    if every >= longest:
         raise BatchPlanError(
-            "batch.schedule=auto decides the global batch as the run goes, so its length "
-            "in optimizer steps is not known: give train.examples (and train.steps=null)"
+            f"train.noise_scale_every={every} samples no step before the last of this "
+            f"batch.schedule=auto run (train.examples={examples} is {longest} optimizer "
+            f"steps at its first global batch {g0}), so it would train at a fixed batch: "
+            f"sample every N < {longest} steps"
         )
 
 

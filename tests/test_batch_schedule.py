@@ -503,3 +503,23 @@ def test_a_run_by_examples_grows_only_with_allow_longer(tmp_path):
     (change,) = [r for r in lines if r.get("event") == "steps_change"]
     assert (change["from_examples"], change["to_examples"]) == (640, 1000)
     assert result.summary["examples_seen"] == 640 + 3 * 128  # 1024: at or past 1000
+
+
+def test_auto_whose_noise_scale_samples_no_step_before_the_last_is_refused(tmp_path):
+    from cli_run import jaxkit  # in-process: what the command prints and writes
+
+    # 320 examples at a first global batch of 32: 10 steps; every=10 samples only the 10th,
+    # after which no step is left to train at a doubled batch.
+    work = tmp_path / "run"
+    line = ["train", "mlp_digits", "batch.global_batch_size=32", "batch.schedule=auto"]
+    line += ["batch.max_global_batch_size=64", "train.steps=null", "train.examples=320"]
+    out = jaxkit(*line, "train.noise_scale_every=10", "--workdir", str(work))
+    assert out.returncode == 2 and out.stdout == f"workdir: {work}\n" and not work.exists(), out
+    assert out.stderr == (
+        "jaxkit: error: train.noise_scale_every=10 samples no step before the last of this "
+        "batch.schedule=auto run (train.examples=320 is 10 optimizer steps at its first "
+        "global batch 32), so it would train at a fixed batch: sample every N < 10 steps\n"
+    )
+    config = load_config("mlp_digits")
+    apply_overrides(config, [*line[2:], "train.noise_scale_every=9"])
+    assert schedule_from_config(config, SHAPE_8).kind == "auto"  # step 9 samples

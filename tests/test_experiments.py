@@ -246,8 +246,10 @@ def test_the_cli_writes_the_report_and_exits_2_on_a_bad_request(tmp_path):
 
 
 def test_batch_ramp_runs_four_batches_on_the_same_examples(tmp_path):
+    # 8 steps of the small batch: the auto ramp samples at steps 2, 4 and 6 before its last.
+    config = _digits("train.noise_scale_every=2")
     report = experiments.run(
-        "batch-ramp", _digits(), tmp_path, experiments.Options(steps=8)
+        "batch-ramp", config, tmp_path, experiments.Options(steps=8)
     ).read_text()
     rows = {r[0]: r for r in _rows(report, "run")}
     assert list(rows) == ["fixed 32", "fixed 128", "ramp 32→64→128", "auto 32→≤128"]
@@ -262,6 +264,23 @@ def test_batch_ramp_runs_four_batches_on_the_same_examples(tmp_path):
     # batch's first row, not a micro-batch), so no run changes the per-device batch.
     assert "auto 32→≤128" in rows and "-> 2 for every run" not in report
     assert (tmp_path / "loss_vs_examples.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("every", "why"),
+    [
+        ("0", "train.noise_scale_every=0 turns off the gradient noise scale"),
+        ("8", "train.noise_scale_every=8 samples no step before the last of this"),
+    ],
+)
+def test_batch_ramp_refuses_an_auto_arm_that_cannot_read_the_noise_scale(tmp_path, every, why):
+    # It trained the other three runs and left the auto one out, in a line of report.md.
+    out = tmp_path / "ramp"
+    line = ["experiment", "batch-ramp", "mlp_digits", f"train.noise_scale_every={every}"]
+    ran = jaxkit(*line, "--steps", "8", "--out", str(out))
+    assert ran.returncode == 2 and not out.exists(), ran
+    assert ran.stderr.startswith(f"jaxkit: error: auto 32→≤128: {why}"), ran.stderr
+    assert ran.stderr.count("\n") == 1 and "report.md" not in ran.stdout
 
 
 def test_a_refused_split_leaves_no_out_and_says_nothing_of_a_report(tmp_path, capsys):

@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from jaxkit.batch_plan import BatchPlanError
-from jaxkit.batch_schedule import plan_from_config, schedule_from_config
+from jaxkit.batch_schedule import check_auto_samples, plan_from_config, schedule_from_config
 from jaxkit.experiments.common import (
     ExperimentError,
     Interrupted,
@@ -87,6 +87,10 @@ def _arms(
             variant(schedule="auto", max_global_batch_size=LARGEST * g),
         ),
     ]
+    try:  # a train.noise_scale_every the auto ramp cannot decide on is the user's to fix
+        check_auto_samples(candidates[-1].config, g)
+    except BatchPlanError as err:
+        raise ExperimentError(f"{candidates[-1].name}: {err}") from None
     arms = []
     for arm in candidates:
         try:
@@ -117,6 +121,8 @@ def run(request: Request) -> pathlib.Path:
     arms, notes, small = _arms(config, shape, rule, budget)
     if not arms:
         raise ExperimentError("no run fits the mesh:\n" + "\n".join(notes))
+    for note in notes:  # a run the mesh cannot take: the others still compare
+        request.echo(note)
     check_units([(arm.name, arm.config, devices) for arm in arms])
     runs: dict[str, dict[str, Any]] = {}
 
