@@ -33,7 +33,9 @@ def run(request: Request) -> pathlib.Path:
     # Every step samples: the experiment is about the estimate, which gets the most samples
     # this way (a run trains with one in train.noise_scale_every steps, for speed).
     config = request.config.copy_and_resolve_references()
+    asked = config.train.noise_scale_every
     config.train.noise_scale_every = 1
+    ignored = f"Sampled every step; train.noise_scale_every={asked} ignored." if asked != 1 else ""
     devices, _, plan, steps = preamble(request, DEFAULT_STEPS)
     if not has_two_batch_sizes(plan.global_batch_size):
         raise ExperimentError(
@@ -42,6 +44,8 @@ def run(request: Request) -> pathlib.Path:
             "batch.global_batch_size"
         )
     check_units([("the run", unit_config(config, steps), devices)])
+    if ignored:
+        request.echo(ignored)
     found: dict[str, Any] = {}
 
     def do_unit(unit: str) -> None:
@@ -59,9 +63,9 @@ def run(request: Request) -> pathlib.Path:
             f"big batch: the {plan.global_batch_size}-row accumulated gradient, both at "
             f"every step. Estimates smoothed with decay {config.train.noise_scale_decay}."
         )
-        note = params_note(config)
-        if note:
-            report.text(note)
+        for note in (ignored, params_note(config)):
+            if note:
+                report.text(note)
         if "records" not in found:
             return
         records: list[dict] = found["records"]
