@@ -96,6 +96,7 @@ from jaxkit.flops import model_flops_per_example
 from jaxkit.models import build_model
 from jaxkit.optimizer import Hyper
 from jaxkit.peak import device_peak, table_peak
+from jaxkit.records import above_the_peak
 from jaxkit.train_step import build, check_on_mesh, with_kernel
 
 SMALL = {
@@ -287,6 +288,22 @@ def compare(config, device, peak: float) -> dict:
     }
 
 
+def peak_warning(kit: dict, peak_source: str) -> list[str]:
+    """The train summary's line on an MFU above 100% (jaxkit.records), for either loop's."""
+    mfu = max(kit["kit_mfu"], kit["hand_mfu"])
+    # The hand loop runs the kit's model: its hardware FLOPs per model FLOP, as compiled.
+    per_model_flop = kit["kit_compiled"]["hardware_per_model_flop"]
+    return above_the_peak(
+        {
+            "mfu": mfu,
+            "hfu": mfu * per_model_flop,
+            "peak_source": peak_source,
+            "model_flops_per_step": kit["model_flops_per_step"],
+            "hardware_flops_per_step": kit["model_flops_per_step"] * per_model_flop,
+        }
+    )
+
+
 # --------------------------------------------------- 2. planner against measured splits ---
 
 
@@ -469,6 +486,8 @@ def main() -> None:
         f"{min(kit['pair_ratios']):.3f}-{max(kit['pair_ratios']):.3f}; target >= 0.97)",
         flush=True,
     )
+    for line in peak_warning(kit, peak_source):
+        print(line.strip(), flush=True)
     if args.splits:
         results["splits"] = splits(config, device, peak)
     results["load_average_end"] = os.getloadavg()

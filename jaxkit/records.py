@@ -328,7 +328,7 @@ def model_facts(config: ml_collections.ConfigDict) -> dict:
     return {"param_count": param_count(config), **contract(config).facts(config)}
 
 
-def _above_the_peak(s: dict) -> list[str]:
+def above_the_peak(s: dict) -> list[str]:
     """The line that says why a utilisation above 100% is no share of the peak, if any."""
     if s.get("hfu", 0) > 1 and "measured on" in s.get("peak_source", ""):
         # A peak cached while the machine was busier than now reads low ever after.
@@ -384,7 +384,7 @@ def format_summary(s: dict) -> str:
             f"{s['model_flops_per_step'] / s['median_step_time_s'] / 1e9:,.3g} GFLOP/s "
             f"per device{use}" + (f" of {s['peak_source']}" if "mfu" in s else "")
         )
-        lines += _above_the_peak(s)
+        lines += above_the_peak(s)
     if "param_dtype" in s:
         lines.append(
             f"  params {s['param_count']:,} in {s['param_dtype']}, matmuls in "

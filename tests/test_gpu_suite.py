@@ -61,3 +61,26 @@ def test_the_trace_samples_the_noise_scale_before_its_window_and_at_its_second_s
     assert len(traced) == 2 and traced[-1] <= steps
     assert [n for n in sampled if n in traced] == [traced[1]]
     assert any(n < traced[0] for n in sampled)
+
+
+def test_the_hand_loop_benchmark_explains_an_mfu_above_100_percent(monkeypatch):
+    # gpu_lm125m.py --small measured MFU 97-132% on a busy CPU and said nothing of it.
+    from jaxkit.records import above_the_peak
+
+    monkeypatch.setattr("sys.argv", ["gpu_lm125m.py", "--small"])
+    spec = importlib.util.spec_from_file_location(
+        "gpu_lm125m", ROOT / "benchmarks" / "gpu_lm125m.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    source = "f32 matmul measured on 1 CPU devices (cached in cpu_peak.json)"
+    kit = {"kit_mfu": 0.97, "hand_mfu": 1.32, "model_flops_per_step": 1e9}
+    kit["kit_compiled"] = {"hardware_per_model_flop": 0.9}
+    lines = bench.peak_warning(kit, source)
+    assert lines and lines == above_the_peak(
+        {"mfu": 1.32, "hfu": 1.32 * 0.9, "peak_source": source}
+        | {"model_flops_per_step": 1e9, "hardware_flops_per_step": 0.9e9}
+    )
+    assert "CPU peak was cached while this machine was busier" in lines[0]
+    kit["hand_mfu"] = 0.99
+    assert bench.peak_warning(kit, source) == []
