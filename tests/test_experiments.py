@@ -223,18 +223,6 @@ def test_noise_scale_reports_a_critical_batch(tmp_path):
     assert re.search(r"The configured global batch is (below|near|above) it", report)
 
 
-def test_noise_scale_says_it_samples_every_step_whatever_noise_scale_every_asks(tmp_path):
-    out = tmp_path / "ns"
-    line = ["experiment", "noise-scale", "mlp_digits", "train.noise_scale_every=0"]
-    ran = jaxkit(*line, "--steps", "2", "--out", str(out))
-    assert ran.returncode == 0, ran.stderr
-    note = "Sampled every step; train.noise_scale_every=0 ignored."
-    assert ran.stdout.splitlines()[0] == note
-    assert note in (out / "report.md").read_text().splitlines()
-    table = dict((r[0], r[1]) for r in _rows((out / "report.md").read_text(), "quantity"))
-    assert float(table["critical batch size ≈ B_simple (rows)"].replace(",", "")) > 0
-
-
 def test_the_cli_writes_the_report_and_exits_2_on_a_bad_request(tmp_path):
     from cli_run import jaxkit  # in-process: what the command prints and writes
 
@@ -243,6 +231,7 @@ def test_the_cli_writes_the_report_and_exits_2_on_a_bad_request(tmp_path):
         "noise-scale",
         "mlp_digits",
         "batch.per_device_batch_size=1",
+        "train.noise_scale_every=0",  # said to be ignored: the experiment samples every step
         "--steps",
         "3",
         "--out",
@@ -251,6 +240,10 @@ def test_the_cli_writes_the_report_and_exits_2_on_a_bad_request(tmp_path):
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "ns" / "report.md").is_file()
     assert f"report: {tmp_path / 'ns' / 'report.md'}" in out.stdout
+    note = "Sampled every step; train.noise_scale_every=0 ignored."
+    assert out.stdout.splitlines()[0] == note
+    report = (tmp_path / "ns" / "report.md").read_text()
+    assert note in report.splitlines() and "| critical batch size ≈ B_simple" in report
     out = jaxkit("experiment", "equivalence", "mlp_digits", "--splits", "4x8", "--out", "x")
     assert out.returncode == 2 and "DEVICESxPER_DEVICExACCUM" in out.stderr
     out = jaxkit("experiment", "equivalence", "mlp_digits", "--splits", "4x4x1", "--out", "x")
