@@ -48,12 +48,17 @@ def host_devices(text: str) -> int:
     return value
 
 
-def fraction(text: str) -> float:
-    """An argparse type: a number strictly between 0 and 1."""
+def number(text: str) -> float:
+    """`text` as a float, or argparse's error saying it is not a number."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number strictly between 0 and 1."""
+    value = number(text)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value

@@ -86,41 +86,7 @@ def run(request: Request) -> pathlib.Path:
         if not results:
             return
         ref_split = next(iter(results))
-        ref = results[ref_split]
-        rows, worst_loss, worst_param = [], 0.0, 0.0
-        for split, r in results.items():
-            d_loss = float(np.max(np.abs(r["losses"] - ref["losses"])))
-            rel = d_loss / float(np.max(np.abs(ref["losses"])))
-            d_param = max(
-                float(np.max(np.abs(a - b)))
-                for a, b in zip(
-                    jax.tree.leaves(r["params"]), jax.tree.leaves(ref["params"]), strict=True
-                )
-            )
-            worst_loss, worst_param = max(worst_loss, rel), max(worst_param, d_param)
-            rows.append(
-                (
-                    split.name,
-                    f"{r['losses'][-1]:.6f}",
-                    f"{d_loss:.2e}",
-                    f"{rel:.2e}",
-                    f"{d_param:.2e}",
-                    f"{r['step_s'] * 1e3:.1f}" if r["step_s"] else "-",
-                    format_bytes(r["memory"]) if r["memory"] else "-",
-                )
-            )
-        summary = markdown_table(
-            (
-                "split",
-                "final loss",
-                f"max abs Δloss vs {ref_split.name}",
-                "max rel Δloss",
-                "max abs Δparam",
-                "median step ms",
-                "compiled memory/device",
-            ),
-            rows,
-        )
+        summary, worst_loss, worst_param = _splits_table(results, ref_split)
         report.text(summary)
         compute = config.model.get("compute_dtype", "float32")
         eps = F32_EPS if compute == "float32" else 2.0**-7  # bfloat16: 8 significant bits
@@ -146,3 +112,43 @@ def run(request: Request) -> pathlib.Path:
     path = drive(report, splits, do_unit, render, "splits", echo)
     echo(summary)
     return path
+
+
+def _splits_table(
+    results: dict[Split, dict[str, Any]], ref_split: Split
+) -> tuple[str, float, float]:
+    """The report's table of splits (each against `ref_split`), with the largest relative
+    loss and absolute parameter differences in it."""
+    ref = results[ref_split]
+    rows, worst_loss, worst_param = [], 0.0, 0.0
+    for split, r in results.items():
+        d_loss = float(np.max(np.abs(r["losses"] - ref["losses"])))
+        rel = d_loss / float(np.max(np.abs(ref["losses"])))
+        d_param = max(
+            float(np.max(np.abs(a - b)))
+            for a, b in zip(
+                jax.tree.leaves(r["params"]), jax.tree.leaves(ref["params"]), strict=True
+            )
+        )
+        worst_loss, worst_param = max(worst_loss, rel), max(worst_param, d_param)
+        rows.append(
+            (
+                split.name,
+                f"{r['losses'][-1]:.6f}",
+                f"{d_loss:.2e}",
+                f"{rel:.2e}",
+                f"{d_param:.2e}",
+                f"{r['step_s'] * 1e3:.1f}" if r["step_s"] else "-",
+                format_bytes(r["memory"]) if r["memory"] else "-",
+            )
+        )
+    header = (
+        "split",
+        "final loss",
+        f"max abs Δloss vs {ref_split.name}",
+        "max rel Δloss",
+        "max abs Δparam",
+        "median step ms",
+        "compiled memory/device",
+    )
+    return markdown_table(header, rows), worst_loss, worst_param
