@@ -69,7 +69,12 @@ class Sample:
 
 def distribution(logits_BxV: jax.Array, settings: Settings) -> jax.Array:
     """The probabilities a token is drawn from (temperature > 0), float32."""
-    z_BxV = logits_BxV.astype(jnp.float32) / settings.temperature
+    # The logits less their row's largest, then divided: a small temperature sends the others
+    # to -inf, never the largest to +inf (dividing first overflowed near 1e-9 and drew junk);
+    # the largest stays 0, also where the temperature rounds to 0 in float32.
+    x_BxV = logits_BxV.astype(jnp.float32)
+    shifted_BxV = x_BxV - jnp.max(x_BxV, axis=-1, keepdims=True)
+    z_BxV = jnp.where(shifted_BxV == 0, 0.0, shifted_BxV / settings.temperature)
     if settings.top_k is not None and settings.top_k < z_BxV.shape[-1]:
         kth_Bx1 = jax.lax.top_k(z_BxV, settings.top_k)[0][:, -1:]
         z_BxV = jnp.where(z_BxV >= kth_Bx1, z_BxV, -jnp.inf)

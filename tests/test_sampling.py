@@ -125,6 +125,18 @@ def test_tokens_are_drawn_from_that_distribution_and_greedy_takes_the_most_proba
     assert np.asarray(greedy).tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("temperature", [1e-9, 1e-30, 1e-300])
+def test_a_temperature_near_0_draws_what_greedy_takes(temperature):
+    """Dividing the logits first overflowed float32 near 1e-9, and draws fell on junk."""
+    logits_BxV = jnp.array([[3.0, 2.5, 1.0, 0.0], [1.0, 0.0, 3.0, 2.0]])
+    settings = sampling.Settings(temperature=temperature)
+    p_BxV = np.asarray(jax.jit(sampling.distribution, static_argnums=1)(logits_BxV, settings))
+    np.testing.assert_array_equal(p_BxV, np.eye(4, dtype=np.float32)[[0, 2]])
+    keys_B = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(3), r))(jnp.arange(2))
+    drawn = jax.jit(sampling.next_tokens, static_argnums=2)(logits_BxV, keys_B, settings)
+    assert np.asarray(drawn).tolist() == [0, 2]  # as compiled in the generation program
+
+
 def test_a_seed_gives_the_same_samples_on_1_and_8_devices():
     """Row r's draw at step t uses fold_in(fold_in(key(seed), r), t): not the device
     count, the batch (5 rows: 8 on 8 devices, padded) or the sharding."""
