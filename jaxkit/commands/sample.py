@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxkit.commands import common
+from jaxkit.commands import source as source_lib
 
 if TYPE_CHECKING:
     import ml_collections
 
-# What a sample may change of the run's config: where and how it runs, never the model.
-OVERRIDABLE = ("mesh.", "model.attention", "model.compute_dtype")
-HF_PREFIX = "hf:"
-HF_CONFIG = "llama_tiny"  # an hf:DIR runs under it, its shape from config.json
 REPLACEMENT = "\N{REPLACEMENT CHARACTER}".encode()
 DEFAULT_NEW_TOKENS = 128
 
@@ -51,20 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="generate text from a run's checkpoint or a Hugging Face directory",
         usage="%(prog)s SOURCE [key=value ...] (--prompt TEXT ... | --prompts FILE) [options]",
     )
-    sample.add_argument(
-        "source",
-        type=common.directory,
-        metavar="SOURCE",
-        help="a run's workdir (its latest checkpoint, or --step N), or hf:DIR, a local "
-        f"Hugging Face Llama directory (run under {HF_CONFIG}'s config, its shape from "
-        "config.json)",
-    )
-    sample.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="mesh.*, model.attention or model.compute_dtype only",
-    )
+    source_lib.add_source(sample)
     sample.add_argument(
         "--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)"
     )
@@ -114,28 +97,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="the draws' seed (default 0): the same samples on any device count",
     )
     sample.add_argument(
-        "--step",
-        type=common.int_at_least(0),
-        metavar="N",
-        help="a workdir's checkpoint of optimizer step N (default: the latest)",
-    )
-    sample.add_argument(
         "--json",
         action="store_true",
         help="one JSON object a sample: prompt, prompt_tokens, tokens, text, finish_reason",
     )
-    sample.add_argument(
-        "--host-devices",
-        type=common.host_devices,
-        metavar="N",
-        help=f"simulate N devices on the CPU and run there (default: "
-        f"{common.DEFAULT_HOST_DEVICES} CPU devices, used when JAX finds no accelerator)",
-    )
-    sample.add_argument(
-        "--no-compile-cache",
-        action="store_true",
-        help="compile every program afresh: do not read or write the persistent compilation cache",
-    )
+    source_lib.add_options(sample)
     return sample
 
 
@@ -170,16 +136,6 @@ def read_prompts(opts: argparse.Namespace) -> list[str]:
     if not prompts:
         raise common.UsageError("no prompt: give --prompt TEXT or --prompts FILE")
     return prompts
-
-
-def check_overrides(overrides: Sequence[str]) -> None:
-    for item in overrides:
-        key = item.split("=", 1)[0]
-        if "=" not in item or not (key.startswith("mesh.") or key in OVERRIDABLE):
-            raise common.UsageError(
-                f"{item!r}: a sample may override mesh.*, model.attention and "
-                "model.compute_dtype only (key=value)"
-            )
 
 
 class Tokenizer:
@@ -260,16 +216,6 @@ def _run_tokenizer(meta: dict, config: ml_collections.ConfigDict, where: str) ->
     return Tokenizer(path, bos)
 
 
-def _read_meta(checkpoints: Any, step: int) -> dict:
-    from jaxkit.checkpoint import CheckpointError
-
-    path = checkpoints / f"step_{step}" / "meta" / "metadata"
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: the checkpoint's record cannot be read ({err})") from None
-
-
 def run(
     opts: argparse.Namespace,
     load_config: Callable[[list[str]], ml_collections.ConfigDict],
@@ -277,19 +223,21 @@ def run(
 ) -> int:
     """`load_config` and `start_jax` are the CLI's (jaxkit/cli.py)."""
     from jaxkit.checkpoint import CheckpointError
-    from jaxkit.config import ConfigError, apply_overrides
+    from jaxkit.config import ConfigError
     from jaxkit.mesh import MeshError
     from jaxkit.tokenizer import TokenizerError
 
     try:
-        check_overrides(opts.overrides)
+        source_lib.check_overrides(opts.overrides, "a sample")
         prompts = read_prompts(opts)
         # Before anything reads a checkpoint: the device count is fixed when JAX starts.
         start_jax(opts.host_devices, False, not opts.no_compile_cache)
-        source = _open_source(opts, load_config, apply_overrides)
-        ids = [source.tokenizer.encode(p) for p in prompts]
-        opts.max_new_tokens = _check_prompts(prompts, ids, source, opts.max_new_tokens)
-        samples = _generate(source, ids, opts)
+        # No data is read: synthetic ids hold no vocabulary to a floor (bytes would).
+        source = source_lib.open_source(opts, load_config, ["data.source=synthetic"])
+        tokenizer, eos_ids = _tokenizer(source)
+        ids = [tokenizer.encode(p) for p in prompts]
+        opts.max_new_tokens = _check_prompts(prompts, ids, source, tokenizer, opts.max_new_tokens)
+        samples = _generate(source, ids, opts, eos_ids)
     except (
         common.UsageError,
         CheckpointError,
@@ -300,7 +248,7 @@ def run(
         return common.error(err)
     for i, sample in enumerate(samples):
         prompt = prompts[i // opts.num_samples]
-        text = source.tokenizer.decode(sample.tokens)
+        text = tokenizer.decode(sample.tokens)
         if opts.json:
             record = {
                 "prompt": prompt,
@@ -315,90 +263,23 @@ def run(
     return 0
 
 
-class _Source:
-    """A SOURCE opened: its config (overrides applied), tokenizer, stop ids, and where its
-    params come from."""
-
-    def __init__(
-        self,
-        config: ml_collections.ConfigDict,
-        tokenizer: Tokenizer,
-        eos_ids: list[int],
-        where: str,
-        step: int | None = None,
-        checkpoints: Any = None,
-        hf_dir: pathlib.Path | None = None,
-    ):
-        self.config, self.tokenizer, self.eos_ids, self.where = config, tokenizer, eos_ids, where
-        self.step, self.checkpoints, self.hf_dir = step, checkpoints, hf_dir
-
-
-def _open_source(
-    opts: argparse.Namespace,
-    load_config: Callable[[list[str]], ml_collections.ConfigDict],
-    apply_overrides: Callable[..., None],
-) -> _Source:
+def _tokenizer(source: source_lib.Source) -> tuple[Tokenizer, list[int]]:
+    """The source's tokenizer, and the ids that end a sample."""
     from jaxkit import tokenizer as tokenizer_lib
-    from jaxkit.checkpoint import CheckpointError, saved_steps
     from jaxkit.hf.load import read_hf_config
-    from jaxkit.validate import validate
-    from jaxkit.workdir import as_path
 
-    if opts.source.startswith(HF_PREFIX):
-        if opts.step is not None:
-            raise common.UsageError("--step applies to a run's workdir, not to hf:DIR")
-        directory = pathlib.Path(opts.source[len(HF_PREFIX) :])
-        # No data is read: synthetic ids hold no vocabulary to a floor (bytes would).
-        head = [HF_CONFIG, f"model.init_from={opts.source}", "data.source=synthetic"]
-        config = load_config([*head, *opts.overrides])
-        hf_config = read_hf_config(directory)
-        tokenizer_json = tokenizer_lib.model_tokenizer(directory)
+    if source.hf_dir is not None:
+        hf_config = read_hf_config(source.hf_dir)
+        tokenizer_json = tokenizer_lib.model_tokenizer(source.hf_dir)
         # The directory's own convention: its tokenizer adds what it adds (a BOS).
-        tokenizer = Tokenizer(tokenizer_json, special=True)
-        eos = _eos_list(hf_config.get("eos_token_id"))
-        return _Source(config, tokenizer, eos, f"hf:{directory}", hf_dir=directory)
-    checkpoints = as_path(opts.source) / "checkpoints"
-    steps = saved_steps(checkpoints)
-    if not steps:
-        raise CheckpointError(f"{opts.source} holds no checkpoint (checkpoints/step_N) to sample")
-    step = steps[-1] if opts.step is None else opts.step
-    if step not in steps:
-        raise CheckpointError(
-            f"--step {step}: {opts.source} has checkpoints at steps {', '.join(map(str, steps))}"
-        )
-    meta = _read_meta(checkpoints, step)
-    config = _saved_config(meta["config"])
-    apply_overrides(config, list(opts.overrides))
-    validate(config)
-    where = f"the run in {opts.source}"
-    tokenizer = _run_tokenizer(meta, config, where)
+        return Tokenizer(tokenizer_json, special=True), _eos_list(hf_config.get("eos_token_id"))
+    meta = source.meta
+    tokenizer = _run_tokenizer(meta, source.config, source.where)
     data = meta.get("data") or {}
     eos = _eos_list((data.get("fingerprint") or {}).get("eod_id"))
     hf_source = meta.get("hf_source") or {}
     eos += _eos_list((hf_source.get("config") or {}).get("eos_token_id"))
-    return _Source(config, tokenizer, eos, where, step=step, checkpoints=checkpoints)
-
-
-def _saved_config(saved: dict) -> ml_collections.ConfigDict:
-    """A checkpoint's config, with the keys added since it was saved at the values the run
-    ran as (config.py's `added`)."""
-    import ml_collections
-
-    from jaxkit.config import BASE_KEYS, SOURCE_KEYS, flatten
-    from jaxkit.keys import ALWAYS
-    from jaxkit.models import contract
-
-    config = ml_collections.ConfigDict(saved)
-    flat = flatten(config)
-    source = SOURCE_KEYS.get(str(flat.get("data.source")), ())
-    for key in (*BASE_KEYS, *contract(config).keys(flat), *source):
-        if key.added is ALWAYS or key.name in flat:
-            continue
-        section, leaf = key.name.split(".", 1)
-        if section not in config:
-            config[section] = ml_collections.ConfigDict()
-        config[section][leaf] = key.added
-    return config
+    return tokenizer, eos
 
 
 def _said(prompt: str, most: int = 40) -> str:
@@ -407,7 +288,11 @@ def _said(prompt: str, most: int = 40) -> str:
 
 
 def _check_prompts(
-    prompts: list[str], ids: list[list[int]], source: _Source, asked: int | None
+    prompts: list[str],
+    ids: list[list[int]],
+    source: source_lib.Source,
+    tokenizer: Tokenizer,
+    asked: int | None,
 ) -> int:
     """Refuses, before any work, what the model cannot generate from; returns the new
     tokens to generate: those asked, or the default where the model's positions allow it
@@ -431,7 +316,7 @@ def _check_prompts(
             raise common.UsageError(f"prompt {_said(prompt)} encodes to no token: give some text")
         if max(tokens) >= vocab:
             raise common.UsageError(
-                f"prompt {_said(prompt)} encodes to id {max(tokens)} ({source.tokenizer.name}), "
+                f"prompt {_said(prompt)} encodes to id {max(tokens)} ({tokenizer.name}), "
                 f"beyond the model's vocabulary of {vocab}"
             )
         if limit is not None and len(tokens) + new > limit:
@@ -451,37 +336,15 @@ def _check_prompts(
     return new
 
 
-def _generate(source: _Source, ids: list[list[int]], opts: argparse.Namespace) -> list[Any]:
-    import jax
-
-    from jaxkit import mesh as mesh_lib
+def _generate(
+    source: source_lib.Source, ids: list[list[int]], opts: argparse.Namespace, eos_ids: list[int]
+) -> list[Any]:
     from jaxkit import sampling
-    from jaxkit.checkpoint import restore_params
-    from jaxkit.models import check_mesh_divides
 
     config = source.config
-    devices = jax.devices()
-    sizes = config.mesh.to_dict()
-    given = any(item.startswith("mesh.") for item in opts.overrides)
-    if not given and abs(math.prod(sizes.values())) != len(devices):
-        # The run's mesh on another device count: its fsdp and tensor axes kept, data
-        # takes the rest (as a resume elsewhere would give it).
-        sizes["data"] = -1
-    try:
-        shape = mesh_lib.resolve_mesh_shape(sizes, len(devices))
-    except mesh_lib.MeshError as err:
-        raise mesh_lib.MeshError(f"{err} (set mesh.* after SOURCE)") from None
-    check_mesh_divides(config, shape)
-    mesh = mesh_lib.make_mesh(shape, devices)
+    mesh = source_lib.make_mesh(config, opts.overrides)
     _, _, abstract, shardings = sampling.param_layout(config, mesh)
-    if source.hf_dir is not None:
-        from jaxkit.hf.load import check_finite, load_params
-
-        params = load_params(source.hf_dir, config.model, abstract, shardings)
-        check_finite(source.hf_dir, config.model, params)
-    else:
-        assert source.step is not None  # a workdir's source has its step
-        params, _ = restore_params(source.checkpoints, source.step, shardings)
+    params = source_lib.load_params(source, abstract, shardings)
     sampler = sampling.Sampler(config, mesh, params)
     rows = [tokens for tokens in ids for _ in range(opts.num_samples)]
     settings = sampling.Settings(opts.temperature, opts.top_k, opts.top_p)
@@ -490,6 +353,6 @@ def _generate(source: _Source, ids: list[list[int]], opts: argparse.Namespace) -
         max_new=opts.max_new_tokens,
         settings=settings,
         seed=opts.seed,
-        eos_ids=source.eos_ids,
+        eos_ids=eos_ids,
     )
     return samples

@@ -1,0 +1,193 @@
+"""SOURCE as `jaxkit sample` and `jaxkit eval` take it: a run's workdir (its latest
+checkpoint, or --step N) or hf:DIR, then overrides that change where and how the model
+runs, never the model. Opened here to its config, its mesh on these devices and its params,
+laid out as the run trained them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jaxkit.commands import common
+
+if TYPE_CHECKING:
+    import jax
+    import ml_collections
+
+# What a command on a SOURCE may change of the run's config: where and how it runs.
+OVERRIDABLE = ("mesh.", "model.attention", "model.compute_dtype")
+HF_PREFIX = "hf:"
+HF_CONFIG = "llama_tiny"  # an hf:DIR runs under it, its shape from config.json
+
+
+def add_source(parser: argparse.ArgumentParser, hf_note: str = "") -> None:
+    """SOURCE and its overrides, the command's positionals."""
+    parser.add_argument(
+        "source",
+        type=common.directory,
+        metavar="SOURCE",
+        help="a run's workdir (its latest checkpoint, or --step N), or hf:DIR, a local "
+        f"Hugging Face Llama directory (run under {HF_CONFIG}'s config, its shape from "
+        f"config.json{hf_note})",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="mesh.*, model.attention or model.compute_dtype only",
+    )
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """--step, and the options of every command that starts JAX."""
+    parser.add_argument(
+        "--step",
+        type=common.int_at_least(0),
+        metavar="N",
+        help="a workdir's checkpoint of optimizer step N (default: the latest)",
+    )
+    parser.add_argument(
+        "--host-devices",
+        type=common.host_devices,
+        metavar="N",
+        help=f"simulate N devices on the CPU and run there (default: "
+        f"{common.DEFAULT_HOST_DEVICES} CPU devices, used when JAX finds no accelerator)",
+    )
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="compile every program afresh: do not read or write the persistent compilation cache",
+    )
+
+
+def check_overrides(overrides: Sequence[str], who: str) -> None:
+    """`who` ("a sample") names the command in the refusal."""
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if "=" not in item or not (key.startswith("mesh.") or key in OVERRIDABLE):
+            raise common.UsageError(
+                f"{item!r}: {who} may override mesh.*, model.attention and "
+                "model.compute_dtype only (key=value)"
+            )
+
+
+@dataclasses.dataclass
+class Source:
+    """A SOURCE opened: its config (overrides applied, checked) and where its params are."""
+
+    config: ml_collections.ConfigDict
+    where: str  # as a refusal names it
+    meta: dict  # the checkpoint's record; {} for hf:DIR
+    step: int | None = None
+    checkpoints: Any = None  # WORKDIR/checkpoints
+    hf_dir: pathlib.Path | None = None
+
+
+def open_source(
+    opts: argparse.Namespace,
+    load_config: Callable[[list[str]], ml_collections.ConfigDict],
+    hf_head: Sequence[str],
+) -> Source:
+    """`opts.source` at `opts.step` with `opts.overrides`; `load_config` is the CLI's, which
+    loads hf:DIR's config with `hf_head` (data keys) before the overrides."""
+    from jaxkit.checkpoint import CheckpointError, saved_steps
+    from jaxkit.config import apply_overrides
+    from jaxkit.validate import validate
+    from jaxkit.workdir import as_path
+
+    if opts.source.startswith(HF_PREFIX):
+        if opts.step is not None:
+            raise common.UsageError("--step applies to a run's workdir, not to hf:DIR")
+        directory = pathlib.Path(opts.source[len(HF_PREFIX) :])
+        head = [HF_CONFIG, f"model.init_from={opts.source}", *hf_head]
+        config = load_config([*head, *opts.overrides])
+        return Source(config, f"hf:{directory}", {}, hf_dir=directory)
+    checkpoints = as_path(opts.source) / "checkpoints"
+    steps = saved_steps(checkpoints)
+    if not steps:
+        raise CheckpointError(f"{opts.source} holds no checkpoint (checkpoints/step_N)")
+    step = steps[-1] if opts.step is None else opts.step
+    if step not in steps:
+        raise CheckpointError(
+            f"--step {step}: {opts.source} has checkpoints at steps {', '.join(map(str, steps))}"
+        )
+    meta = _read_meta(checkpoints, step)
+    config = _saved_config(meta["config"])
+    apply_overrides(config, list(opts.overrides))
+    validate(config)
+    return Source(config, f"the run in {opts.source}", meta, step, checkpoints)
+
+
+def _read_meta(checkpoints: Any, step: int) -> dict:
+    from jaxkit.checkpoint import CheckpointError
+
+    path = checkpoints / f"step_{step}" / "meta" / "metadata"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: the checkpoint's record cannot be read ({err})") from None
+
+
+def _saved_config(saved: dict) -> ml_collections.ConfigDict:
+    """A checkpoint's config, with the keys added since it was saved at the values the run
+    ran as (config.py's `added`)."""
+    import ml_collections
+
+    from jaxkit.config import BASE_KEYS, SOURCE_KEYS, flatten
+    from jaxkit.keys import ALWAYS
+    from jaxkit.models import contract
+
+    config = ml_collections.ConfigDict(saved)
+    flat = flatten(config)
+    source = SOURCE_KEYS.get(str(flat.get("data.source")), ())
+    for key in (*BASE_KEYS, *contract(config).keys(flat), *source):
+        if key.added is ALWAYS or key.name in flat:
+            continue
+        section, leaf = key.name.split(".", 1)
+        if section not in config:
+            config[section] = ml_collections.ConfigDict()
+        config[section][leaf] = key.added
+    return config
+
+
+def make_mesh(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> jax.sharding.Mesh:
+    """The run's mesh on every device here: on another device count its fsdp and tensor
+    axes kept and data taking the rest (as a resume elsewhere would), unless the overrides
+    set mesh.*."""
+    import jax
+
+    from jaxkit import mesh as mesh_lib
+    from jaxkit.models import check_mesh_divides
+
+    devices = jax.devices()
+    sizes = config.mesh.to_dict()
+    given = any(item.startswith("mesh.") for item in overrides)
+    if not given and abs(math.prod(sizes.values())) != len(devices):
+        sizes["data"] = -1
+    try:
+        shape = mesh_lib.resolve_mesh_shape(sizes, len(devices))
+    except mesh_lib.MeshError as err:
+        raise mesh_lib.MeshError(f"{err} (set mesh.* after SOURCE)") from None
+    check_mesh_divides(config, shape)
+    return mesh_lib.make_mesh(shape, devices)
+
+
+def load_params(source: Source, abstract: Any, shardings: Any) -> Any:
+    """The source's params placed as `shardings` says (a tree like `abstract`, the abstract
+    params): each device reads its own slices."""
+    from jaxkit.checkpoint import restore_params
+
+    if source.hf_dir is not None:
+        from jaxkit.hf.load import check_finite
+        from jaxkit.hf.load import load_params as load_hf
+
+        params = load_hf(source.hf_dir, source.config.model, abstract, shardings)
+        check_finite(source.hf_dir, source.config.model, params)
+        return params
+    assert source.step is not None  # a workdir's source has its step
+    return restore_params(source.checkpoints, source.step, shardings)[0]
