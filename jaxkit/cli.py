@@ -1,4 +1,4 @@
-"""`jaxkit plan`, `train`, `experiment`, `report`, `data prepare`, `export` and `sample`: a
+"""`jaxkit plan`, `train`, `experiment`, `report`, `data prepare`, `export`, `sample` and `eval`: a
 thin layer over importable functions. Each command's options and output live in its module of
 `jaxkit.commands`; this one parses the line, starts JAX and hands over.
 
@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from jaxkit.commands import data, experiment, export, plan, report, sample, train
+from jaxkit.commands import data, evaluate, experiment, export, plan, report, sample, train
 from jaxkit.commands.common import (
     DEFAULT_HOST_DEVICES,
     INTERRUPTED,
@@ -29,7 +29,7 @@ from jaxkit.commands.common import (
 if TYPE_CHECKING:
     import ml_collections
 
-COMMANDS = ("plan", "train", "experiment", "report", "data", "export", "sample")
+COMMANDS = ("plan", "train", "experiment", "report", "data", "export", "sample", "eval")
 
 
 def make_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -40,7 +40,7 @@ def make_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "per_device_batch × grad_accum_steps is a first-class object.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = (plan, train, experiment, report, data, export, sample)
+    modules = (plan, train, experiment, report, data, export, sample, evaluate)
     commands = {name: m.add_parser(sub) for name, m in zip(COMMANDS, modules, strict=True)}
     return parser, commands
 
@@ -198,6 +198,8 @@ def _main(argv: list[str] | None) -> int:
         return export.run(opts)  # no config: the checkpoint's own
     if opts.command == "sample":  # the checkpoint's config, or hf:DIR's: JAX starts there
         return sample.run(opts, _load_config, _start_jax)
+    if opts.command == "eval":  # likewise
+        return evaluate.run(opts, _load_config, _start_jax)
     from jaxkit.config import ConfigError
 
     try:

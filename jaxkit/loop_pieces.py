@@ -42,8 +42,8 @@ def evaluate(
     setup: Setup, params: Any, source: data_lib.Source, plan: BatchPlan, eval_examples: int
 ) -> dict[str, float]:
     """Weighted mean loss and accuracy over the targets of the first `eval_examples`
-    held-out rows (0 = all), each row counted once whatever the split: see
-    data.eval_batches."""
+    held-out rows (0 = all), each row counted once whatever the split (see
+    data.eval_batches), the rows read and Σ weight, the targets scored."""
     sums = {"loss_sum": 0.0, "accuracy_sum": 0.0, "weight": 0.0}  # float64 on the host
 
     def take(result: Any) -> None:
@@ -64,6 +64,8 @@ def evaluate(
         "eval_loss": sums["loss_sum"] / weight,
         "eval_accuracy": sums["accuracy_sum"] / weight,
         "eval_examples": data_lib.eval_row_count(source, eval_examples),
+        # A count where each target weighs 1 (the sources' weights are 0 or 1).
+        "eval_targets": int(weight) if weight.is_integer() else weight,
     }
 
 

@@ -1,0 +1,231 @@
+"""`jaxkit eval SOURCE`: the held-out loss of a run's checkpoint or a Hugging Face
+directory, outside a run. The run's own eval (loop_pieces.evaluate) on the run's mesh and
+plan: on the run's held-out split at its final checkpoint, the summary's `eval_loss`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from jaxkit.commands import common
+from jaxkit.commands import source as source_lib
+
+if TYPE_CHECKING:
+    import ml_collections
+
+    from jaxkit import data as data_lib
+    from jaxkit.batch_plan import BatchPlan
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "eval",
+        help="the held-out loss of a run's checkpoint or a Hugging Face directory",
+        usage="%(prog)s SOURCE [key=value ...] [--data PATH] [--examples N] [options]",
+    )
+    source_lib.add_source(parser, hf_note="; it needs --data")
+    parser.add_argument(
+        "--data",
+        type=common.directory,
+        metavar="PATH",
+        help="what the run's data.path takes: its held-out split is evaluated (default: the "
+        "run's own); for hf:DIR, token files prepared with DIR's tokenizer",
+    )
+    parser.add_argument(
+        "--examples",
+        type=common.int_at_least(1),
+        metavar="N",
+        help="the first N held-out rows, all of them where there are fewer (default: the "
+        "run's train.eval_examples, where 0 is every row)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object: eval_loss, eval_accuracy, eval_perplexity, eval_bits_per_byte "
+        "(byte data), eval_examples, eval_targets",
+    )
+    source_lib.add_options(parser)
+    return parser
+
+
+def run(
+    opts: argparse.Namespace,
+    load_config: Callable[[list[str]], ml_collections.ConfigDict],
+    start_jax: Callable[[int | None, bool, bool], None],
+) -> int:
+    """`load_config` and `start_jax` are the CLI's (jaxkit/cli.py)."""
+    from jaxkit.batch_plan import BatchPlanError
+    from jaxkit.checkpoint import CheckpointError
+    from jaxkit.config import ConfigError
+    from jaxkit.data import DataError, TokenWindows
+    from jaxkit.mesh import MeshError
+    from jaxkit.tokenizer import TokenizerError
+
+    hf = opts.source.startswith(source_lib.HF_PREFIX)
+    try:
+        source_lib.check_overrides(opts.overrides, "an eval")
+        if hf and opts.data is None:
+            raise common.UsageError(
+                f"{opts.source} holds no held-out split: give --data PATH, token files "
+                "prepared with its tokenizer"
+            )
+        # Before anything reads a checkpoint: the device count is fixed when JAX starts.
+        start_jax(opts.host_devices, False, not opts.no_compile_cache)
+        hf_data = ["data.source=tokens", f"data.path={opts.data}"] if hf else []
+        source = source_lib.open_source(opts, load_config, hf_data)
+        examples = source.config.train.eval_examples if opts.examples is None else opts.examples
+        held_out = _held_out(source, opts.data, examples)
+        result = _evaluate(source, held_out, examples, opts.overrides)
+    except (
+        common.UsageError,
+        BatchPlanError,
+        CheckpointError,
+        ConfigError,
+        DataError,
+        MeshError,
+        TokenizerError,
+    ) as err:
+        return common.error(err)
+    print(_report(result, source, isinstance(held_out, TokenWindows), opts.json))
+    return 0
+
+
+# --json's keys, in order; eval_bits_per_byte for byte data only.
+KEYS = (
+    "eval_loss",
+    "eval_accuracy",
+    "eval_perplexity",
+    "eval_bits_per_byte",
+    "eval_examples",
+    "eval_targets",
+)
+
+
+def _report(
+    result: dict[str, Any], source: source_lib.Source, byte_data: bool, as_json: bool
+) -> str:
+    """The eval's result as --json's object or as lines of text."""
+    from jaxkit.config import is_lm
+
+    loss = result["eval_loss"]
+    result["eval_perplexity"] = math.exp(loss) if loss < 700 else math.inf  # exp overflows
+    if byte_data:
+        result["eval_bits_per_byte"] = loss / math.log(2)
+    if as_json:
+        return json.dumps({key: result[key] for key in KEYS if key in result})
+    unit = "byte" if byte_data else "token" if is_lm(source.config) else "example"
+    bits = f" ({result['eval_bits_per_byte']:.4f} bits/byte)" if byte_data else ""
+    at = f", step {source.step}" if source.step is not None else ""
+    return (
+        f"{source.where}{at}: {result['eval_examples']:,} held-out rows, "
+        f"{result['eval_targets']:,} targets scored\n"
+        f"  eval loss {loss:.4f} nats/{unit}{bits}, perplexity {result['eval_perplexity']:.4g}, "
+        f"accuracy {result['eval_accuracy']:.2%}"
+    )
+
+
+def _held_out(source: source_lib.Source, path: str | None, examples: int) -> data_lib.Source:
+    """The held-out split of `path` (data.path; None: the run's own data, where it was
+    read, refused where it has changed since), checked against the model, its first
+    `examples` rows scoring a target."""
+    from jaxkit import data as data_lib
+    from jaxkit.checkpoint import data_changes
+    from jaxkit.config import apply_overrides
+    from jaxkit.validate import validate
+
+    config, saved = source.config, source.meta.get("data") or {}
+    if source.hf_dir is None and path is not None:
+        if config.data.source not in ("text", "tokens"):
+            raise common.UsageError(
+                f"--data: {source.where} trained on data.source={config.data.source}, which "
+                "reads no data.path"
+            )
+        apply_overrides(config, [f"data.path={path}"])
+        validate(config)
+    elif (recorded := saved.get(data_lib.PATHS, {}).get("data.path")) is not None:
+        config.data.path = recorded  # the absolute location the run read: from any directory
+    train, held_out = data_lib.make_sources(config)
+    if source.hf_dir is None:
+        if path is None:
+            facts = data_lib.data_facts(train, held_out, data_lib.input_paths(config))
+            changes = data_changes(saved, facts)
+            if changes:
+                raise data_lib.DataError(
+                    f"{source.where} was trained on other data than its data.path holds now "
+                    f"({'; '.join(c.strip() for c in changes)}): its held-out split is not "
+                    "there; give --data PATH to evaluate on that data as it is"
+                )
+        else:
+            _check_tokenizer(source, saved.get(data_lib.TOKENIZER), train, path)
+    data_lib.check_eval_weight(held_out, examples)
+    note = getattr(train, "note", None)  # how token files were read, where it matters
+    if note:
+        print(note, file=sys.stderr)
+    return held_out
+
+
+def _check_tokenizer(source: source_lib.Source, trained: Any, train: Any, path: str) -> None:
+    """Token data prepared with another tokenizer than the run's (their records, see
+    jaxkit/tokenizer.py): its ids are other tokens, at any vocabulary size."""
+    from jaxkit.tokenizer import BYTES
+
+    unknown = "a tokenizer.json whose tokenizer_sha256 was not recorded"
+
+    def known_as(record: Any) -> str | None:
+        if not isinstance(record, dict):
+            return None  # foreign token files, or a run on bytes of text
+        if record.get("tokenizer") == BYTES:
+            return BYTES
+        sha = record.get("tokenizer_sha256")
+        return f"tokenizer_sha256 {sha[:12]}..." if sha else unknown
+
+    was, now = known_as(trained), known_as(getattr(train, "tokenizer", None))
+    if was is None or now is None or was == now:
+        return
+    if unknown in (was, now) and BYTES not in (was, now):
+        return  # two tokenizer.json files, one of them unknown: the kit cannot tell
+    raise common.UsageError(
+        f"--data {path} was prepared with another tokenizer ({now}) than {source.where}'s "
+        f"data ({was}): its ids would be read as other tokens"
+    )
+
+
+def _evaluate(
+    source: source_lib.Source, held_out: data_lib.Source, examples: int, overrides: list[str]
+) -> dict[str, Any]:
+    """The run's eval on the run's mesh here, in the micro-batches of the run's plan at the
+    checkpoint: the same batches, summed in the same order, on the same device count."""
+    from jaxkit import mesh as mesh_lib
+    from jaxkit.loop_pieces import evaluate
+    from jaxkit.train_step import abstract_params, build
+
+    config = source.config
+    mesh = source_lib.make_mesh(config, overrides)
+    plan = _eval_plan(config, mesh_lib.mesh_shape(mesh), source.meta)
+    setup = build(config, plan, mesh)
+    params = source_lib.load_params(source, abstract_params(config), setup.state_shardings.params)
+    return evaluate(setup, params, held_out, plan, examples)
+
+
+def _eval_plan(config: ml_collections.ConfigDict, shape: dict[str, int], meta: dict) -> BatchPlan:
+    """The run's plan at the checkpoint on this mesh (hf:DIR: the first a run of it would
+    train with); where the run's global batch does not split over this mesh, its rows per
+    device in one micro-step: an eval has no global batch to keep."""
+    from jaxkit.batch_plan import BatchPlanError, make_batch_plan
+    from jaxkit.batch_schedule import plan_from_config
+    from jaxkit.resume import saved_plan
+
+    try:
+        return saved_plan(config, shape, meta) if meta else plan_from_config(config, shape)
+    except BatchPlanError:
+        per_device = (meta.get("plan") or {}).get("per_device_batch_size")
+        return make_batch_plan(
+            mesh_shape=shape,
+            global_batch_size=None,
+            per_device_batch_size=per_device or config.batch.get("per_device_batch_size") or 1,
+            grad_accum_steps=1,
+        )

@@ -1,0 +1,200 @@
+"""`jaxkit eval SOURCE` (jaxkit/commands/evaluate.py): the run's own eval outside the run,
+on a run's checkpoint and on a Hugging Face directory, and what it refuses."""
+
+import json
+import math
+import shutil
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_cli
+from cli_run import jaxkit
+from flax import nnx
+from small_configs import SMALL_LM
+from test_hf_reference import HF_SHAPE, jaxkit_config, random_tensors, read, write_hf_dir
+from token_dirs import padded_prompt_completion
+from tokenizers import Tokenizer as WordLevelTokenizer
+from tokenizers import models
+
+from jaxkit import data as data_lib
+from jaxkit.commands import evaluate
+from jaxkit.hf import names
+from jaxkit.train_step import _abstract_model
+
+# lm_tiny holds out the last 5% of SMALL_LM's 60,000 bytes: rows of 16 bytes and the next.
+HELD_OUT_ROWS = (60_000 - int(60_000 * 0.95) - 1) // 16
+# Another layout or device count sums the same float32 terms in other orders (rows per
+# batch, the matmuls' reductions split over fsdp and tensor): measured at most 2.4e-8
+# relative on the loss, 1 to 8 devices. 1e-6 is 8 float32 epsilons; the slips it must
+# catch are far larger: one target too many or too few in Σ weight moves the loss by 1 in
+# 2,992 (3e-4), a row counted twice by ~1e-5 even where rows' losses differ by 1%.
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[str, dict]:
+    """test_sampling's byte LM (2 steps at SMALL_LM's size; the same programs, compiled
+    once per session), which evaluates its final step; and its summary."""
+    workdir = tmp_path_factory.mktemp("eval") / "run"
+    args = ["train", "lm_tiny", *SMALL_LM, "train.steps=2", "train.eval_every=0"]
+    done = jaxkit(*args, "--workdir", str(workdir), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    return str(workdir), json.loads((workdir / "summary.json").read_text())
+
+
+def _json(*args: str) -> dict:
+    done = jaxkit("eval", *args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_eval_gives_the_runs_own_eval_loss_at_its_final_checkpoint(run):
+    """Every held-out row once (187 rows: the last of 6 batches of 32 padded), on the mesh
+    and micro-batch the run evaluated its final step with: the same number, exactly."""
+    workdir, summary = run
+    result = _json(workdir)
+    assert list(result) == list(evaluate.KEYS)
+    assert result["eval_loss"] == summary["eval_loss"]
+    assert result["eval_accuracy"] == summary["eval_accuracy"]
+    assert result["eval_examples"] == HELD_OUT_ROWS and HELD_OUT_ROWS % 32 != 0
+    assert result["eval_targets"] == HELD_OUT_ROWS * 16  # every byte of a row scored
+    assert result["eval_perplexity"] == math.exp(result["eval_loss"])
+    assert result["eval_bits_per_byte"] == result["eval_loss"] / math.log(2)
+    done = jaxkit("eval", workdir)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"the run in {workdir}, step 2: {HELD_OUT_ROWS} held-out rows, "
+        f"{HELD_OUT_ROWS * 16:,} targets scored",
+        f"  eval loss {result['eval_loss']:.4f} nats/byte "
+        f"({result['eval_bits_per_byte']:.4f} bits/byte), perplexity "
+        f"{result['eval_perplexity']:.4g}, accuracy {result['eval_accuracy']:.2%}",
+    ]
+    # --examples: the first N rows, as train.eval_examples reads them.
+    assert _json(workdir, "--examples", "5")["eval_targets"] == 5 * 16
+
+
+def test_eval_on_another_layout_and_device_count_is_the_same_within_round_off(run):
+    """fsdp 2 × tensor 2 on these 8 devices (batches of 16 rows, not 32), and 3 devices in a
+    process of their own, over which the run's global batch of 64 does not split (batches
+    of 3 × 4 rows): the same loss to float32 round-off, and the same hits."""
+    workdir, summary = run
+    three = test_cli.jaxkit("eval", workdir, "--host-devices", "3", "--json")
+    assert three.returncode == 0, three.stderr
+    for result in (_json(workdir, "mesh.fsdp=2", "mesh.tensor=2"), json.loads(three.stdout)):
+        assert result["eval_loss"] == pytest.approx(summary["eval_loss"], rel=RTOL)
+        assert result["eval_targets"] == HELD_OUT_ROWS * 16
+        # Hits are counted, not summed in float32; a logit tie within round-off could
+        # flip one, no more.
+        hits = (result["eval_accuracy"] - summary["eval_accuracy"]) * result["eval_targets"]
+        assert abs(hits) < 1.5
+
+
+def _hf_dir(tmp_path, vocab_size: int):
+    hf_config = {"model_type": "llama", **HF_SHAPE, "vocab_size": vocab_size}
+    path = write_hf_dir(tmp_path / "hf", hf_config, random_tensors(jaxkit_config(hf_config), 4))
+    return path, hf_config
+
+
+def test_eval_of_an_hf_dir_on_prepared_tokens_is_the_weighted_mean_over_their_targets(tmp_path):
+    """hf:DIR (no tokenizer of its own: a byte-level model) on prepared byte documents,
+    their prompts masked: Σ weight × loss / Σ weight over the held-out windows' scored
+    targets, against the model's logits on one device, summed here in float64."""
+    data = tmp_path / "data"
+    padded_prompt_completion(data)
+    path, hf_config = _hf_dir(tmp_path, 257)
+    result = _json(f"hf:{path}", f"--data={data}", "mesh.fsdp=2")
+    # The rows as the data layer gives them at llama_tiny's data.seq_len, which hf:DIR runs.
+    config = jaxkit_config(hf_config, "data.seq_len=128", "data.source=tokens", f"data.path={data}")
+    _, held_out = data_lib.make_sources(config)
+    rows = held_out[np.arange(len(held_out))]
+    graphdef, _ = _abstract_model(config)
+    params = names.from_hf(read(path), config.model)
+    forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+    logits = np.asarray(forward(params, jnp.asarray(rows["inputs"]))).astype(np.float64)
+    z = logits - logits.max(-1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    loss = -np.take_along_axis(log_p, rows["targets"][..., None], -1)[..., 0]
+    hits = logits.argmax(-1) == rows["targets"]
+    w = rows["weights"].astype(np.float64)
+    assert 0 < w.sum() < w.size  # prompts masked: some targets unscored
+    assert result["eval_examples"] == len(held_out)
+    assert result["eval_targets"] == w.sum()
+    # float32 logits on one device against the eval's on fsdp 2 (see RTOL).
+    assert result["eval_loss"] == pytest.approx((w * loss).sum() / w.sum(), rel=RTOL)
+    assert result["eval_accuracy"] == pytest.approx((w * hits).sum() / w.sum(), abs=1e-9)
+    assert "eval_bits_per_byte" not in result  # token ids, not bytes of text
+
+
+def test_eval_refuses_what_it_cannot_evaluate_in_one_line(run, tmp_path):
+    """Each refusal before any work: one line, exit 2, naming what is wrong."""
+    workdir, _ = run
+    data = tmp_path / "data"
+    padded_prompt_completion(data)  # bytes, prepared: ids up to 256 (the end of a document)
+    small, _ = _hf_dir(tmp_path / "small", 48)
+    with_tokenizer, _ = _hf_dir(tmp_path / "tok", 300)
+    WordLevelTokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(
+        str(with_tokenizer / "tokenizer.json")
+    )
+    # A run whose data is not what it was: its checkpoint's record of the held-out rows
+    # edited, as if the corpus had grown since.
+    moved = shutil.copytree(workdir, tmp_path / "moved")
+    record = moved / "checkpoints" / "step_2" / "meta" / "metadata"
+    meta = json.loads(record.read_text())
+    meta["data"]["eval_rows"] += 1
+    record.write_text(json.dumps(meta))
+    cases = {
+        (str(moved),): f"eval_rows {HELD_OUT_ROWS + 1!r} (saved) -> {HELD_OUT_ROWS!r}",
+        (workdir, "--data", str(tmp_path / "nothing.txt")): "nothing.txt': is not a file",
+        (workdir, "--step", "7"): "--step 7",
+        (workdir, "model.d_model=64"): "model.d_model=64",
+        (str(tmp_path),): "holds no checkpoint",
+        (f"hf:{small}",): "give --data PATH",
+        (f"hf:{small}", "--data", str(data)): "257-token vocabulary, above model.vocab_size=48",
+        (f"hf:{with_tokenizer}", "--data", str(data)): "prepared with --tokenizer bytes",
+    }
+    for args, said in cases.items():
+        done = jaxkit("eval", *args)
+        assert done.returncode == 2 and done.stdout == "", args
+        assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
+    # argparse's usage errors: its usage line, then the error.
+    for args, said in (
+        ((), "the following arguments are required: SOURCE"),
+        ((workdir, "--examples", "0"), "--examples: must be at least 1, got 0"),
+        ((workdir, "--examples", "-2"), "--examples: must be at least 1, got -2"),
+    ):
+        done = jaxkit("eval", *args)
+        assert done.returncode == 2 and said in done.stderr.splitlines()[-1], done.stderr
+
+
+@pytest.mark.parametrize(
+    "trained, given, refused",
+    [
+        ({"tokenizer": "bytes"}, {"tokenizer": "t.json", "tokenizer_sha256": "ab" * 32}, True),
+        ({"tokenizer": "t.json", "tokenizer_sha256": "cd" * 32}, {"tokenizer": "bytes"}, True),
+        (
+            {"tokenizer": "a/t.json", "tokenizer_sha256": "ab" * 32},
+            {"tokenizer": "b/t.json", "tokenizer_sha256": "ab" * 32},
+            False,  # the same tokenizer, saved elsewhere
+        ),
+        ({"tokenizer": "t.json", "tokenizer_sha256": None}, {"tokenizer": "bytes"}, True),
+        (
+            {"tokenizer": "t.json", "tokenizer_sha256": None},
+            {"tokenizer": "t.json", "tokenizer_sha256": "ab" * 32},
+            False,  # data prepared before sha256 was recorded: the kit cannot tell
+        ),
+        (None, {"tokenizer": "bytes"}, False),  # foreign token files: nothing to compare
+    ],
+)
+def test_a_runs_eval_refuses_token_data_of_another_tokenizer(trained, given, refused):
+    """Only where both records say what they are (tokenizer_sha256, or bytes): ids of one
+    tokenizer are other tokens to another at any vocabulary size."""
+    source = types.SimpleNamespace(where="the run in r")
+    train = types.SimpleNamespace(tokenizer=given)
+    if refused:
+        with pytest.raises(evaluate.common.UsageError, match="another tokenizer"):
+            evaluate._check_tokenizer(source, trained, train, "d")
+    else:
+        evaluate._check_tokenizer(source, trained, train, "d")
