@@ -65,6 +65,15 @@ def _key(name: str, default: object, rule: Rule, doc: str, **more: Any) -> Key:
 
 
 _RESUMABLE = {"resumable": True}
+# A Weights & Biases project, entity or run name: an empty one would quietly mean W&B's default.
+_W_AND_B_NAME = Rule(
+    "null or a non-empty string",
+    lambda value: (
+        None
+        if value is None or (isinstance(value, str) and value.strip())
+        else "must be null or a non-empty string"
+    ),
+)
 # Optimizer step counts are int32 in optax (and the schedules read them): 2**31 overflows.
 _STEP_COUNT = 2**31
 
@@ -304,6 +313,36 @@ BASE_KEYS: tuple[Key, ...] = (
         **_RESUMABLE,
     ),
     _key("checkpoint.keep", 3, POSITIVE, "newest checkpoints kept (at least 1)", **_RESUMABLE),
+    # Where the run is also followed (jaxkit/wandb_log.py); runs saved before ran without it.
+    _key(
+        "wandb.project",
+        None,
+        _W_AND_B_NAME,
+        "the Weights & Biases project that process 0 also logs to, with a workdir: the "
+        "config, the batch plan, TensorBoard's scalars and the summary (null = off; needs "
+        "`pip install 'jaxkit[wandb]'`)",
+        type=str,
+        added=None,
+        **_RESUMABLE,
+    ),
+    _key(
+        "wandb.entity",
+        None,
+        _W_AND_B_NAME,
+        "the W&B user or team the project belongs to (null = W&B's default entity)",
+        type=str,
+        added=None,
+        **_RESUMABLE,
+    ),
+    _key(
+        "wandb.run_name",
+        None,
+        _W_AND_B_NAME,
+        "the W&B run's display name (null = the workdir's name)",
+        type=str,
+        added=None,
+        **_RESUMABLE,
+    ),
 )
 
 

@@ -28,6 +28,7 @@ import ml_collections
 from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
 from jaxkit import peak as peak_lib
+from jaxkit import wandb_log
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.batch_schedule import schedule_from_config
 from jaxkit.checkpoint import Checkpointer, Restored, resume
@@ -102,6 +103,7 @@ def train(
     Another run on the same workdir meanwhile is refused (WorkdirInUseError) before any work.
     """
     validate(config)  # every value, before any work (the CLI has checked them already)
+    wandb_log.check(config, workdir, echo)  # a W&B project without the package: refused here
     with _one_run(workdir, echo):  # a second run on the workdir is refused here, before any work
         return _train(
             config,
@@ -173,7 +175,7 @@ def _train(
     # What changed at this resume: logged once, and kept in the checkpoints saved at this
     # step, so that a later resume from one of them keeps them in the log.
     events = resume_events(restored, config, start.schedule, parts.shape) if restored else []
-    run_dir = _open_run_dir(workdir, config, start, saved_events, events)
+    run_dir = _open_run_dir(workdir, config, start, saved_events, events, echo)
     checkpoints = Checkpoints(checkpointer, config, parts.data_facts, start.hf_source)
     t = config.train
     pieces = [
@@ -188,13 +190,14 @@ def _train(
     ]
     batches = Batches(config, start.setup, parts.train_source)
     run = Run(config, start, programs, tracker, batches, echo, progress, run_dir, events, pieces)
-    _train_steps(run)
-    if run.stop_signal:
-        echo(checkpoints.stop_message(run.stop_signal, run.step_plan.grad_accum_steps))
-        return RunResult(
-            plan=start.plan, state=run.state, records=run.records, summary={}, stopped=True
-        )
-    summary = _summary(run, parts.eval_source, checkpoints)
+    with _wandb_run_ends(run):
+        _train_steps(run)
+        if run.stop_signal:
+            echo(checkpoints.stop_message(run.stop_signal, run.step_plan.grad_accum_steps))
+            return RunResult(
+                plan=start.plan, state=run.state, records=run.records, summary={}, stopped=True
+            )
+        summary = _summary(run, parts.eval_source, checkpoints)
     return RunResult(plan=start.plan, state=run.state, records=run.records, summary=summary)
 
 
@@ -278,19 +281,28 @@ def _open_run_dir(
     start: Start,
     saved_events: Sequence[dict],
     events: Sequence[dict],
+    echo: Callable[[str], None],
 ) -> RunDir | None:
     """The run's files, on process 0: the config and the plan as this attempt runs them,
-    and the log up to where it starts."""
-    if workdir is None or jax.process_index() != 0:
+    and the log up to where it starts; and the W&B run that follows them, if any."""
+    if workdir is None:
         return None
-    # Whatever an earlier attempt logged past the step this run starts from goes.
-    run_dir = RunDir(workdir, resume_after_step=start.position.step, saved_events=saved_events)
-    run_dir.write_json("config.json", config_to_json(config))
     plan, schedule = start.plan, start.schedule
     ramped = schedule.kind != "fixed"
     # As `jaxkit plan --json` prints it, the model block included (the kernel that runs).
     plan_json = plan.to_json() | ({"batch_schedule": schedule.to_json()} if ramped else {})
     plan_json["model"] = model_json(config, plan)
+    # Opened first: a run W&B refuses leaves the run's files as they were.
+    step = start.position.step
+    wandb_config = {"config": config_to_json(config), "plan": plan_json}
+    wandb_run = wandb_log.open_run(config, workdir, step, wandb_config, echo)
+    if jax.process_index() != 0:
+        return None
+    # Whatever an earlier attempt logged past the step this run starts from goes.
+    run_dir = RunDir(
+        workdir, resume_after_step=step, saved_events=saved_events, wandb_run=wandb_run
+    )
+    run_dir.write_json("config.json", config_to_json(config))
     run_dir.write_json("plan.json", plan_json)
     table = plan.table() + ("\n\n" + schedule.table() if ramped else "")
     run_dir.write_text("plan", "\n".join("    " + line for line in table.splitlines()))
@@ -319,9 +331,25 @@ def _summary(run: Run, eval_source: data_lib.Source, checkpoints: Checkpoints) -
     # `steps` counts the run's optimizer steps in all; the timings are this attempt's.
     summary["steps_this_attempt"] = run.total - run.start.position.step
     if run.run_dir:
-        run.run_dir.write_json("summary.json", summary)
+        run.run_dir.write_summary(summary)
     run.echo(format_summary(summary))
     return summary
+
+
+@contextlib.contextmanager
+def _wandb_run_ends(run: Run) -> Iterator[None]:
+    """The W&B run, if any, ends once the attempt has: after the summary went to it, as
+    preempted where the attempt stopped to be resumed, as crashed where it failed."""
+    wandb_run = run.run_dir.wandb_run if run.run_dir else None
+    if wandb_run is None:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        wandb_run.finish(failed=True)
+        raise
+    wandb_run.finish(stopped=bool(run.stop_signal))
 
 
 def _train_steps(run: Run) -> None:

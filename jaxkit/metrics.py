@@ -1,5 +1,6 @@
 """The run directory: resolved config, batch plan, metrics as JSON lines and TensorBoard
-scalars, summary. Only process 0 writes one.
+scalars, summary. Only process 0 writes one. Where a Weights & Biases run follows it
+(jaxkit/wandb_log.py), the same scalars under the same tags and the summary go there too.
 
 The directory may be a URL (`gs://bucket/run`). Object stores cannot append, so there the
 two files that grow line by line, metrics.jsonl and the TensorBoard event file, are written
@@ -17,6 +18,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Protocol
 
 import tensorboardX
 
@@ -48,6 +50,24 @@ EVAL_TAGS = {"eval_loss": "eval/loss", "eval_accuracy": "eval/accuracy"}
 UPLOAD_EVERY_S = 30.0
 
 
+class Follower(Protocol):
+    """A run elsewhere that follows the run directory (wandb_log.WandbRun)."""
+
+    def log(self, values: dict[str, float], step: int) -> None: ...
+
+    def summary(self, summary: dict) -> None: ...
+
+    def finish(self, *, failed: bool = False, stopped: bool = False) -> None: ...
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A train or eval record's scalars by tag, as TensorBoard and W&B get them: the values
+    it measured (None: not, e.g. no grad_norm for a skipped step), also as metrics.jsonl
+    gives them back (a non-finite value as its string)."""
+    tags = EVAL_TAGS if "eval_loss" in record else TRAIN_TAGS
+    return {tag: float(record[key]) for key, tag in tags.items() if record.get(key) is not None}
+
+
 def _jsonable(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep them readable rather than invalid
@@ -65,10 +85,14 @@ class RunDir:
         *,
         saved_events: Sequence[dict] = (),
         upload_every_s: float = UPLOAD_EVERY_S,
+        wandb_run: Follower | None = None,
     ):
         """`resume_after_step`: drop what was logged after that step (a resumed run logs it
         again, from its checkpoint), and the events logged at it that the checkpoint does
-        not hold (`saved_events`: an attempt that died before saving logged them)."""
+        not hold (`saved_events`: an attempt that died before saving logged them).
+        `wandb_run`: a W&B run that also gets the scalars and the summary (its opener ends
+        it)."""
+        self.wandb_run = wandb_run
         self.path = as_path(workdir)
         make_dirs(self.path)
         metrics = self.path / "metrics.jsonl"
@@ -112,6 +136,12 @@ class RunDir:
     def write_json(self, name: str, obj: dict) -> None:
         self.write_lines(name, [json.dumps(obj, indent=2)])
 
+    def write_summary(self, summary: dict) -> None:
+        """summary.json, and the W&B run's summary."""
+        self.write_json("summary.json", summary)
+        if self.wandb_run:
+            self.wandb_run.summary(summary)
+
     def write_text(self, tag: str, markdown: str) -> None:
         """Text for TensorBoard's text tab (the plan table, the resolved config)."""
         self._tensorboard.add_text(tag, markdown, global_step=0)
@@ -124,10 +154,11 @@ class RunDir:
             text = "    " + json.dumps(clean, indent=2).replace("\n", "\n    ")
             self._tensorboard.add_text(f"events/{record['event']}", text, record["step"])
         else:
-            tags = EVAL_TAGS if "eval_loss" in record else TRAIN_TAGS
-            for key, tag in tags.items():
-                if record.get(key) is not None:  # None: e.g. no grad_norm for a skipped step
-                    self._tensorboard.add_scalar(tag, record[key], global_step=record["step"])
+            values = scalars(record)
+            for tag, value in values.items():
+                self._tensorboard.add_scalar(tag, value, global_step=record["step"])
+            if self.wandb_run and values:
+                self.wandb_run.log(values, record["step"])
         self._tensorboard.flush()
         if self._remote and time.monotonic() - self._uploaded_at >= self._upload_every_s:
             self._upload()

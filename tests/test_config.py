@@ -176,6 +176,7 @@ RESUMABLE_EVERYWHERE = {
     *("train.log_every", "train.eval_every", "train.eval_examples", "train.profile_steps"),
     *("train.noise_scale_every", "train.noise_scale_decay", "train.max_nonfinite_in_row"),
     *("checkpoint.every", "checkpoint.keep"),
+    *("wandb.project", "wandb.entity", "wandb.run_name"),  # where it is also logged
 }
 # How a language model computes the same function: recomputation, the attention kernel,
 # the loss's chunks; and for a Llama the weights it started from (a resume reads its own).
