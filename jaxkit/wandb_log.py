@@ -85,8 +85,8 @@ class WandbRun:
         self._run.summary.update(summary)
 
     def finish(self, *, failed: bool = False, stopped: bool = False) -> None:
-        """Ends the run: crashed where the attempt failed; preempted where it stopped to be
-        resumed (W&B then shows it as such, not as finished)."""
+        """Ends the run: with exit code 1 where the attempt failed; marked as preempting
+        first where it stopped to be resumed (SIGTERM, Ctrl-C), as W&B asks of such runs."""
         if stopped:
             self._run.mark_preempting()
         self._run.finish(exit_code=1 if failed else 0)

@@ -19,7 +19,8 @@ from cli_run import jaxkit
 from wandb.proto import wandb_internal_pb2
 from wandb.sdk.internal import datastore
 
-from jaxkit.config import apply_overrides, load_config
+from jaxkit import wandb_log
+from jaxkit.config import ConfigError, apply_overrides, load_config
 from jaxkit.loop import train
 from jaxkit.metrics import EVAL_TAGS, TRAIN_TAGS, read_metrics
 
@@ -46,6 +47,9 @@ def offline_runs(tmp_path) -> list[dict]:
     """Each offline attempt under tmp_path, in the order they started: the run's id, project,
     name, branch point (a rewind's), config, history by step (W&B's own keys left out) and
     summary."""
+    # A finished run's file may still be being written by W&B's service process: its
+    # teardown waits for it (the next run starts another).
+    wandb.teardown()
     attempts = []
     for path in (tmp_path / "wandb_home").glob("wandb/offline-run-*/run-*.wandb"):
         store = datastore.DataStore()
@@ -164,3 +168,51 @@ def test_a_project_without_wandb_installed_is_refused_naming_the_extra(tmp_path,
     # With no project the run never imports wandb, so it trains where the package is missing.
     out = jaxkit("train", "mlp_digits", "train.steps=1", "--workdir", str(workdir), "--no-progress")
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.usefixtures("offline")
+def test_a_refused_rewind_starts_a_new_run_and_a_refused_start_stops_the_run(tmp_path, monkeypatch):
+    # W&B's answers where it is online: a server without rewinds, then no login.
+    real_init, refusals = wandb.init, []
+
+    def init(**kwargs):
+        if refusals:
+            raise refusals[0]
+        if "resume_from" in kwargs:
+            raise wandb.errors.CommError("failed to rewind run: run not found")
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", init)
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    records = [
+        {"step": 2, "loss": 2.5, "learning_rate": 0.001, "grad_norm": None},
+        {"step": 2, "eval_loss": 2.25, "eval_accuracy": 0.5},
+        {"event": "batch_change", "step": 2},
+        {"step": 4, "loss": 2.0, "learning_rate": 0.002},  # past the checkpoint at step 2
+    ]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (workdir / "wandb.json").write_text('{"id": "gone1234", "project": "kit", "entity": null}')
+    config = load_config("mlp_digits")
+    apply_overrides(config, ["wandb.project=kit"])
+    said: list[str] = []
+    run = wandb_log.open_run(config, workdir, 2, {"plan": {}}, said.append)
+    assert run is not None
+    run.finish()
+    (new,) = offline_runs(tmp_path)
+    assert new["id"] != "gone1234" and new["branch"] is None
+    assert new["history"] == {2: {"train/loss": 2.5, "train/learning_rate": 0.001,
+                                  "eval/loss": 2.25, "eval/accuracy": 0.5}}  # fmt: skip
+    assert said == [
+        f"W&B: run {new['id']} is new, with metrics.jsonl's scalars up to step 2: W&B did "
+        "not rewind run gone1234 to step 2: failed to rewind run: run not found"
+    ]
+
+    refusals.append(wandb.errors.UsageError("No API key configured.\nUse `wandb login`."))
+    (workdir / "wandb.json").unlink()
+    with pytest.raises(ConfigError) as refused:
+        wandb_log.open_run(config, workdir, 0, {}, said.append)
+    assert str(refused.value) == (
+        "wandb.project='kit': W&B did not start a run: No API key configured."
+    )
+    assert not (workdir / "wandb.json").exists()
