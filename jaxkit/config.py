@@ -671,6 +671,8 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     _check(flat, rules(k for k in keys if k.default is REQUIRED), f"model.kind={kind!r}")
     _check(flat, rules(k for k in keys if k.default is not REQUIRED), None)
     own = SOURCE_RULES.get(str(source), {})
+    if any(k.startswith("data.mixture.") for k in flat) and flat.get("data.path") is None:
+        own = {k: r for k, r in own.items() if k != "data.path"}  # each source names its own
     _check(flat, own, f"data.source={source!r}")
     for others in SOURCE_RULES.values():  # other sources' keys, where this one reads none
         # null there is unset (lm_tiny's data.path=null, the stdlib, with data.source=synthetic)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.batch_schedule import Position as Position  # re-exported for the loop
-from jaxkit.config import is_lm
+from jaxkit.config import ConfigError, is_lm
 from jaxkit.workdir import is_local
 
 # "inputs" and "targets", one entry per row asked for, and "weights" where rows are not
@@ -187,12 +187,14 @@ def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
     from jaxkit import tokenizer as tokenizer_lib
 
     d = config.data
+    if d.get("mixture"):
+        return _mixture_sources(config)
     try:
         train, held_out, facts = token_files.open_splits(
             d.path, d.get("token_dtype", "uint16"), d.eval_fraction
         )
         warning = _check_tokenizer(config, facts)
-        _check_ids(config, train, held_out, facts)
+        _check_ids(config, train, held_out, facts, f"data.path={d.path!r}")
         rows = d.get("rows", "windows")
         mask = d.get("document_mask", False)
         fingerprint = token_files.fingerprint(train, held_out, facts)
@@ -212,7 +214,70 @@ def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
         raise DataError(str(e)) from None
 
 
-def _check_tokenizer(config: ml_collections.ConfigDict, facts: dict | None) -> str | None:
+def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
+    """data.mixture's sources, each opened and checked as data.path's one is, then checked
+    against each other (one tokenizer, one token dtype), as one train and one held-out
+    Source (jaxkit/mixture.py)."""
+    from jaxkit import mixture, token_files
+    from jaxkit import tokenizer as tokenizer_lib
+
+    d = config.data
+    value = d.mixture.to_dict() if hasattr(d.mixture, "to_dict") else dict(d.mixture)
+    try:
+        stages = mixture.stages(value, d.get("mixture_stages") or "", d.seq_len)
+    except ConfigError as e:
+        raise DataError(str(e)) from None
+    names = sorted(value)
+    rows, mask = d.get("rows", "windows"), d.get("document_mask", False)
+    trains, helds, notes = [], [], []
+    said: dict[str, tuple[str, Any]] = {}
+    foreign: list[str] = []
+    for name in names:
+        path, label = value[name]["path"], f"data.mixture.{name}.path={value[name]['path']!r}"
+        try:
+            train, held_out, facts = token_files.open_splits(
+                path, d.get("token_dtype", "uint16"), d.eval_fraction
+            )
+            warning = _check_tokenizer(config, facts, path)
+            _check_ids(config, train, held_out, facts, label)
+            fingerprint = token_files.fingerprint(train, held_out, facts)
+            trains.append(token_files.TokenRows(train, d.seq_len, rows, mask, fingerprint))
+            helds.append(token_files.TokenRows(held_out, d.seq_len, rows, mask, fingerprint))
+        except token_files.TokenFileError as e:
+            raise DataError(f"data.mixture.{name}: {e}") from None
+        notes += [warning] if warning else []
+        if "format" not in facts:
+            foreign.append(name)
+        else:
+            tokenizer = facts.get("tokenizer_sha256") or facts.get("tokenizer")
+            for field, fact in (("tokenizer", tokenizer), ("token dtype", facts.get("dtype"))):
+                first = said.setdefault(field, (name, fact))
+                if first[1] != fact:
+                    raise DataError(
+                        f"data.mixture.{name}: its {field} ({fact}) is not "
+                        f"data.mixture.{first[0]}'s ({first[1]}): mixed sources share one"
+                    )
+        if not len(trains[-1]) or not len(helds[-1]):
+            split = "train" if not len(trains[-1]) else "eval"
+            raise DataError(f"data.mixture.{name}: the {split} split is empty; give more data")
+        record = tokenizer_lib.record(facts)
+        said.setdefault("record", (name, record))
+    if foreign:
+        notes.append(
+            f"data.mixture: {', '.join(foreign)} are token files that name no tokenizer: make "
+            "sure they hold the same tokenizer's ids as the other sources"
+        )
+    note, record = "\n".join(notes) or None, said["record"][1]
+    order = mixture.Order(stages)
+    return (
+        mixture.MixtureRows(tuple(names), tuple(trains), order, note, record),
+        mixture.MixtureRows(tuple(names), tuple(helds)),
+    )
+
+
+def _check_tokenizer(
+    config: ml_collections.ConfigDict, facts: dict | None, path: str | None = None
+) -> str | None:
     """Refuses data that model.init_from's model would read as other tokens than it was
     made of (jaxkit/tokenizer.py); returns a warning line where the kit cannot tell. `facts`
     is what token files say of themselves, None for the other sources."""
@@ -224,7 +289,8 @@ def _check_tokenizer(config: ml_collections.ConfigDict, facts: dict | None) -> s
         return None
     d = config.data
     try:
-        return tokenizer_lib.check_data(directory, d.source, str(d.get("path")), facts)
+        said = str(d.get("path")) if path is None else path
+        return tokenizer_lib.check_data(directory, d.source, said, facts)
     except tokenizer_lib.TokenizerError as e:
         raise DataError(str(e)) from None
 
@@ -253,7 +319,9 @@ def _halves_of_uint32(ranges: list[Any], vocab: int, train: Any, held_out: Any) 
     return odd_top < _HIGH_HALF_BELOW and even_top > _LOW_HALF_ABOVE and ids >= _HALVES_SEEN
 
 
-def _check_ids(config: ml_collections.ConfigDict, train: Any, held_out: Any, facts: dict) -> None:
+def _check_ids(
+    config: ml_collections.ConfigDict, train: Any, held_out: Any, facts: dict, label: str
+) -> None:
     """The ids of token files against model.vocab_size: a prepared directory's vocabulary
     from meta.json, foreign files' by reading their ids once (and their dtype with them)."""
     from jaxkit import token_files
@@ -263,7 +331,7 @@ def _check_ids(config: ml_collections.ConfigDict, train: Any, held_out: Any, fac
     if "vocab_size" in facts:  # prepared: its tokenizer's ids are all below this
         if facts["vocab_size"] > vocab:
             said = (
-                f"data.path={d.path!r} holds ids of a {facts['vocab_size']}-token vocabulary, "
+                f"{label} holds ids of a {facts['vocab_size']}-token vocabulary, "
                 f"above model.vocab_size={vocab}"
             )
             if init_from is not None:  # the size is config.json's: no override can change it
@@ -282,14 +350,14 @@ def _check_ids(config: ml_collections.ConfigDict, train: Any, held_out: Any, fac
         odd_top, even_top = max(r.odd_top for r in ranges), max(r.even_top for r in ranges)
         halves = "0" if odd_top == 0 else f"at most {odd_top}"
         raise DataError(
-            f"data.token_dtype=uint32 is what data.path={d.path!r} needs: read as uint16 "
+            f"data.token_dtype=uint32 is what {label} needs: read as uint16 "
             f"(the default), every second id is {halves} and the others reach {even_top}, "
             "the high and low halves of uint32 ids"
         )
     if low < 0:
-        raise DataError(f"data.path={d.path!r} holds token id {low}: ids are ≥ 0")
+        raise DataError(f"{label} holds token id {low}: ids are ≥ 0")
     if top >= vocab:
-        said = f"data.path={d.path!r} holds token id {top}, not below model.vocab_size={vocab}"
+        said = f"{label} holds token id {top}, not below model.vocab_size={vocab}"
         # .npy files state their dtype, which data.token_dtype does not change
         check = f"data.token_dtype={dtype!r}" if flat else ""
         if init_from is not None:
@@ -324,19 +392,34 @@ def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySou
     )
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=16)  # two epochs of each of a few mixed sources
 def _epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-def stream_rows(first_example: int, count: int, num_rows: int, seed: int) -> np.ndarray:
-    """Source rows of stream examples [first_example, first_example + count)."""
-    epochs, offsets = np.divmod(np.arange(first_example, first_example + count), num_rows)
-    rows = np.empty(count, dtype=np.int64)
+def rows_of_examples(examples: np.ndarray, num_rows: int, seed: int) -> np.ndarray:
+    """Source rows of stream examples `examples` (any order): example e is row
+    perm_{e // N}[e % N]."""
+    epochs, offsets = np.divmod(np.asarray(examples, dtype=np.int64), num_rows)
+    rows = np.empty(len(offsets), dtype=np.int64)
     for epoch in np.unique(epochs):  # one or two epochs for any batch that fits the data
         here = epochs == epoch
         rows[here] = _epoch_permutation(num_rows, seed, int(epoch))[offsets[here]]
     return rows
+
+
+def stream_rows(first_example: int, count: int, num_rows: int, seed: int) -> np.ndarray:
+    """Source rows of stream examples [first_example, first_example + count)."""
+    return rows_of_examples(np.arange(first_example, first_example + count), num_rows, seed)
+
+
+def source_rows(source: Source, first_example: int, count: int, seed: int) -> np.ndarray:
+    """The rows of `source` that stream examples [first_example, first_example + count)
+    are: a mixture's own order (jaxkit/mixture.py), else stream_rows over its rows."""
+    own = getattr(source, "stream_rows", None)
+    if own is not None:
+        return np.asarray(own(first_example, count, seed))
+    return stream_rows(first_example, count, len(source), seed)
 
 
 def check_batch_fits(global_batch_size: int, num_rows: int) -> None:
@@ -405,9 +488,7 @@ def step_weight(source: Source, first_example: int, rows: int, seed: int) -> flo
     for cached_source, cached_key, cached in kept:
         if cached_source is source and cached_key == key:
             return cached
-    weight = float(
-        row_weight_sums(source, stream_rows(first_example, rows, len(source), seed)).sum()
-    )
+    weight = float(row_weight_sums(source, source_rows(source, first_example, rows, seed)).sum())
     _last_weights[0] = ((source, key, weight), *kept[: _WEIGHTS_KEPT - 1])
     return weight
 
@@ -450,7 +531,7 @@ def load_micro_batch(
         scale = _scale(step_weight(source, first_example, plan.global_batch_size, seed), k)
     else:
         scale = _scale(step_weight(source, first_example + micro * m, m, seed))
-    rows = micro_batch_rows(first_example, micro, plan, len(source), seed)
+    rows = source_rows(source, first_example + micro * m, m, seed)
     local_rows = rows[process_row_range(sharding, len(rows))]
     picked = _with_loss_weights(source[local_rows], scale)
     return to_global_array(picked, sharding, len(rows))
@@ -462,7 +543,7 @@ def load_small_batch(
     """The first `rows` examples of the optimizer step starting at `first_example`, with
     loss_weights summing to 1 (their own mean loss): the noise scale's small batch, the
     same rows for every split. None when they score no target."""
-    picked = stream_rows(first_example, rows, len(source), seed)
+    picked = source_rows(source, first_example, rows, seed)
     scale = _scale(float(row_weight_sums(source, picked).sum()))
     if scale == 0:
         return None
@@ -495,7 +576,7 @@ def load_global_batch(
         scale = np.array(
             [_scale(step_weight(source, first_example + i * m, m, seed), 1 / k) for i in range(k)]
         )
-    rows_KxM = stream_rows(first_example, k * m, len(source), seed).reshape(k, m)
+    rows_KxM = source_rows(source, first_example, k * m, seed).reshape(k, m)
     rows_sharding = jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
     local = process_row_range(rows_sharding, m)
     local_rows = rows_KxM[:, local]
@@ -557,10 +638,15 @@ def input_paths(config: ml_collections.ConfigDict) -> dict[str, str]:
     """The config's keys that name an input file or directory (data.path), each as the
     absolute location it names from this working directory (a URL as it is): a resume
     from another directory holds these, not the strings, against the saved run's."""
-    path = config.get("data", {}).get("path")
-    if not isinstance(path, str) or not path:
-        return {}
-    return {"data.path": os.path.abspath(path) if is_local(path) else path}
+    data = config.get("data", {})
+    named = {"data.path": data.get("path")}
+    for name, fields in (data.get("mixture") or {}).items():
+        named[f"data.mixture.{name}.path"] = fields.get("path")
+    return {
+        key: os.path.abspath(path) if is_local(path) else path
+        for key, path in named.items()
+        if isinstance(path, str) and path
+    }
 
 
 def data_facts(

@@ -328,6 +328,9 @@ def _summary(run: Run, eval_source: data_lib.Source, checkpoints: Checkpoints) -
         schedule.to_json() if schedule.changes_batch else None,
     )
     summary |= run.batches.summary() | checkpoints.summary()
+    by_source = getattr(run.batches.source, "by_source", None)  # a mixture's (mixture.py)
+    if by_source is not None:
+        summary |= by_source(run.examples, run.batches.seed)
     # `steps` counts the run's optimizer steps in all; the timings are this attempt's.
     summary["steps_this_attempt"] = run.total - run.start.position.step
     if run.run_dir:

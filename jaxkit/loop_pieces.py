@@ -43,7 +43,31 @@ def evaluate(
 ) -> dict[str, float]:
     """Weighted mean loss and accuracy over the targets of the first `eval_examples`
     held-out rows (0 = all), each row counted once whatever the split (see
-    data.eval_batches), the rows read and Σ weight, the targets scored."""
+    data.eval_batches), the rows read and Σ weight, the targets scored. A mixture's
+    held-out sources are each evaluated on their own first `eval_examples` rows:
+    `eval_loss_by_source` holds each one's loss, `eval_loss` Σ weight × loss / Σ weight
+    over all of their rows."""
+    parts = getattr(source, "parts", None)
+    if parts is not None:
+        each = {
+            name: _evaluate_sums(setup, params, part, plan, eval_examples)
+            for name, part in zip(source.names, parts, strict=True)  # type: ignore[attr-defined]
+        }
+        total = {key: sum(sums[key] for sums in each.values()) for key in each[source.names[0]]}  # type: ignore[attr-defined]
+        rows = sum(data_lib.eval_row_count(part, eval_examples) for part in parts)
+        return _eval_result(total, rows) | {
+            "eval_loss_by_source": {
+                name: sums["loss_sum"] / sums["weight"] for name, sums in each.items()
+            }
+        }
+    sums = _evaluate_sums(setup, params, source, plan, eval_examples)
+    return _eval_result(sums, data_lib.eval_row_count(source, eval_examples))
+
+
+def _evaluate_sums(
+    setup: Setup, params: Any, source: data_lib.Source, plan: BatchPlan, eval_examples: int
+) -> dict[str, float]:
+    """Σ weight × loss, Σ weight × accuracy and Σ weight over one source's eval rows."""
     sums = {"loss_sum": 0.0, "accuracy_sum": 0.0, "weight": 0.0}  # float64 on the host
 
     def take(result: Any) -> None:
@@ -57,13 +81,17 @@ def evaluate(
             take(pending)
         pending = result
     take(pending)
-    weight = sums["weight"]
-    if weight <= 0:
+    if sums["weight"] <= 0:
         raise data_lib.DataError("the held-out rows have no scored target (every weight is 0)")
+    return sums
+
+
+def _eval_result(sums: dict[str, float], rows: int) -> dict:
+    weight = sums["weight"]
     return {
         "eval_loss": sums["loss_sum"] / weight,
         "eval_accuracy": sums["accuracy_sum"] / weight,
-        "eval_examples": data_lib.eval_row_count(source, eval_examples),
+        "eval_examples": rows,
         # A count where each target weighs 1 (the sources' weights are 0 or 1).
         "eval_targets": int(weight) if weight.is_integer() else weight,
     }

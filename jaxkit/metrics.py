@@ -65,7 +65,10 @@ def scalars(record: dict) -> dict[str, float]:
     it measured (None: not, e.g. no grad_norm for a skipped step), also as metrics.jsonl
     gives them back (a non-finite value as its string)."""
     tags = EVAL_TAGS if "eval_loss" in record else TRAIN_TAGS
-    return {tag: float(record[key]) for key, tag in tags.items() if record.get(key) is not None}
+    out = {tag: float(record[key]) for key, tag in tags.items() if record.get(key) is not None}
+    for name, loss in (record.get("eval_loss_by_source") or {}).items():  # a mixture's
+        out[f"eval/loss/{name}"] = float(loss)
+    return out
 
 
 def _jsonable(value: object) -> object:

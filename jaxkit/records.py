@@ -294,6 +294,11 @@ def summarize(
         "final_loss": train_records[-1]["loss"] if train_records else None,
         "eval_loss": eval_records[-1]["eval_loss"] if eval_records else None,
         "eval_accuracy": eval_records[-1]["eval_accuracy"] if eval_records else None,
+        **(
+            {"eval_loss_by_source": eval_records[-1]["eval_loss_by_source"]}
+            if eval_records and "eval_loss_by_source" in eval_records[-1]
+            else {}
+        ),
         "median_step_time_s": step_time,
         "examples_per_s": plan.global_batch_size / step_time if step_time else None,
         "first_step_s": tracker.first_step_s,

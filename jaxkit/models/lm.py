@@ -13,7 +13,19 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
-from jaxkit.keys import COUNT, POSITIVE, REQUIRED, ConfigError, Key, boolean, one_of, show
+from jaxkit import mixture
+from jaxkit.keys import (
+    COUNT,
+    POSITIVE,
+    REQUIRED,
+    ConfigError,
+    Key,
+    Rule,
+    boolean,
+    one_of,
+    show,
+    text,
+)
 from jaxkit.models.common import BYTES, EVAL_FRACTION
 
 if TYPE_CHECKING:
@@ -109,6 +121,27 @@ LM_OPTION_KEYS: tuple[Key, ...] = (
         added=False,
     ),
     Key(
+        "data.mixture",
+        None,
+        Rule("null, or {NAME: {path, weight}}", lambda value: None),  # checked field by field
+        '`tokens`: several sources in place of data.path, {NAME: {"path": PATH, '
+        '"weight": W}} (NAME `[a-z0-9_]+`, W > 0, normalised); JSON on the command line. '
+        "Rows come in blocks of 32, each source's count exact after every block "
+        "(docs/data.md)",
+        type=dict,
+        added=None,
+    ),
+    Key(
+        "data.mixture_stages",
+        "",
+        text(nullable=False),
+        '`tokens` with data.mixture: weights that change at a position, e.g. `"0:web=0.9+'
+        'code=0.1,20Mt:web=0.5+code=0.5"` (positions as batch.schedule writes them, moved to '
+        "the next 32-row block); a resume may add a stage after its position",
+        added="",
+        resumable=True,
+    ),
+    Key(
         "data.token_dtype",
         "uint16",
         one_of("uint16", "uint32"),
@@ -142,6 +175,7 @@ def check_values(flat: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"model.head_dim={width} is odd: rotary positions rotate pairs of a head's dimensions"
         )
+    mixture.check_flat(flat)
     if flat["data.source"] != "tokens":
         for key, off in (("data.document_mask", False), ("data.rows", "windows")):
             if flat.get(key, off) != off:

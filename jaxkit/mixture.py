@@ -1,0 +1,421 @@
+"""`data.mixture`: several token sources in one exact, seeded order.
+
+Rows are drawn in blocks of BLOCK (32). Within a stage of weights w, after n blocks source
+s has given R_s(n) rows: n·32·w_s rounded by the largest remainder (ties in NAME order),
+so a weight as small as 0.01 gives its row every few blocks and is never rounded away.
+Where the largest remainder would take a row back from a source (a weight below 1/32 can
+lose its extra row as the others' remainders grow), that source keeps its rows and the
+sources most over their quota give one fewer: the counts never go down, and a block
+always holds 32 rows. The places of each block's rows are shuffled by the seed and the
+block's index. Within a source, its k-th row is its own seeded stream (data.stream_rows:
+a permutation per epoch, the next epoch starting where one runs out).
+
+Global row i is then a function of the seed, the stages starting at or before i, and i:
+every split of a global batch, every device count, a batch ramp and a resume read the
+same rows (the loader asks `MixtureRows.stream_rows`, as it asks data.stream_rows of one
+source).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from jaxkit.keys import ConfigError, show
+
+BLOCK = 32
+NAME = re.compile(r"[a-z0-9_]+")
+_FIELDS = ("path", "weight")
+_SHUFFLE_TAG = 0x6D6978  # "mix": the block shuffles' stream, apart from the sources' own
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Weights from global example `start` (a multiple of BLOCK) on, in NAME order."""
+
+    start: int
+    weights: tuple[Fraction, ...]
+
+
+def _weight(name: str, value: object) -> Fraction:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"data.mixture.{name}.weight={show(value)}: must be a number > 0")
+    weight = Fraction(str(value)) if isinstance(value, float) else Fraction(value)
+    if not weight > 0:  # NaN compares false too
+        raise ConfigError(f"data.mixture.{name}.weight={show(value)}: must be a number > 0")
+    return weight
+
+
+def sources_of(value: Mapping[str, Any]) -> dict[str, dict]:
+    """data.mixture's sources checked, in NAME order: {NAME: {"path", "weight" or None}}."""
+    out: dict[str, dict] = {}
+    for name in sorted(value):
+        fields = value[name]
+        if not NAME.fullmatch(name):
+            raise ConfigError(f"data.mixture: the name {name!r} is not [a-z0-9_]+")
+        if not isinstance(fields, Mapping):
+            raise ConfigError(
+                f'data.mixture.{name}={show(fields)}: must be {{"path": PATH, "weight": W}}'
+            )
+        extra = sorted(set(fields) - set(_FIELDS))
+        if extra:
+            raise ConfigError(
+                f"data.mixture.{name}: unknown field {extra[0]!r} (a source has path and weight)"
+            )
+        path = fields.get("path")
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(
+                f"data.mixture.{name}.path={show(path)}: must name token files, as data.path does"
+            )
+        weight = fields.get("weight")
+        out[name] = {"path": path, "weight": None if weight is None else _weight(name, weight)}
+    if len(out) < 1:
+        raise ConfigError("data.mixture names no source: give NAME: {path, weight} for each")
+    return out
+
+
+def from_flat(flat: Mapping[str, object]) -> dict[str, dict] | None:
+    """data.mixture rebuilt from a flattened config (data.mixture.NAME.FIELD), or None."""
+    prefix = "data.mixture."
+    value: dict[str, dict] = {}
+    for key, field_value in flat.items():
+        if key.startswith(prefix):
+            name, _, field = key[len(prefix) :].partition(".")
+            if not field:
+                raise ConfigError(
+                    f"data.mixture.{name}={show(field_value)}: must be "
+                    '{"path": PATH, "weight": W}'
+                )
+            value.setdefault(name, {})[field] = field_value
+    return value or None
+
+
+def check_flat(flat: Mapping[str, object]) -> None:
+    """data.mixture's and data.mixture_stages' values, where a config gives them."""
+    value = from_flat(flat)
+    stages_text = flat.get("data.mixture_stages") or ""
+    if value is None:
+        if stages_text:
+            raise ConfigError(
+                "data.mixture_stages gives weights of data.mixture's sources: give data.mixture"
+            )
+        return
+    if flat.get("data.source") != "tokens":
+        raise ConfigError(
+            f"data.mixture mixes token sources: set data.source=tokens "
+            f"(not {show(flat.get('data.source'))})"
+        )
+    if flat.get("data.path") is not None:
+        raise ConfigError(
+            f"data.path={show(flat['data.path'])} and data.mixture: give one (data.mixture "
+            "names each source's path)"
+        )
+    stages(value, str(stages_text), flat.get("data.seq_len"))  # type: ignore[arg-type]
+
+
+def stages(value: Mapping[str, Any], text: str, seq_len: int | None) -> list[Stage]:
+    """The stages of weights: data.mixture's own weights alone, or data.mixture_stages'."""
+    sources = sources_of(value)
+    names = list(sources)
+    if not text:
+        missing = [n for n in names if sources[n]["weight"] is None]
+        if missing:
+            raise ConfigError(
+                f"data.mixture.{missing[0]} has no weight: give one (or data.mixture_stages)"
+            )
+        return [Stage(0, _normalised([sources[n]["weight"] for n in names]))]
+    parsed = parse_stages(text, names, seq_len)
+    first = parsed[0].weights
+    given = [sources[n]["weight"] for n in names]
+    if any(w is not None for w in given) and (
+        any(w is None for w in given) or _normalised(given) != first
+    ):
+        raise ConfigError(
+            "data.mixture's weights differ from data.mixture_stages' first stage: leave "
+            "them out, or give the same"
+        )
+    return parsed
+
+
+def _normalised(weights: Sequence[Fraction]) -> tuple[Fraction, ...]:
+    total = sum(weights)
+    return tuple(w / total for w in weights)
+
+
+_POSITION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kMG]?)\s*(t?)\s*")
+_SCALE = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_stages(text: str, names: Sequence[str], seq_len: int | None) -> list[Stage]:
+    """`"0:web=0.9+code=0.1,20Mt:web=0.5+code=0.5"` → stages, each start moved to the next
+    block start; positions as batch.schedule writes them (k/M/G, `t` = tokens)."""
+    import decimal
+
+    out: list[Stage] = []
+    for item in text.split(","):
+        said = item.strip()
+        where, colon, spec = item.partition(":")
+        found = _POSITION.fullmatch(where)
+        if not colon or not found:
+            raise ConfigError(
+                f"data.mixture_stages stage {said!r} is not POSITION:NAME=W+NAME=W (e.g. "
+                "0:web=0.9+code=0.1,20Mt:web=0.5+code=0.5)"
+            )
+        number, scale, tokens = found.groups()
+        count = decimal.Decimal(number) * _SCALE[scale]
+        if count != int(count):
+            raise ConfigError(f"data.mixture_stages stage {said!r}: not a whole count")
+        start = int(count)
+        if tokens:
+            if not seq_len:
+                raise ConfigError(f"data.mixture_stages stage {said!r} counts tokens: no seq_len")
+            start = -(-start // seq_len)
+        start = -(-start // BLOCK) * BLOCK  # the next block start
+        weights: dict[str, Fraction] = {}
+        for part in spec.split("+"):
+            name, equals, number_text = part.strip().partition("=")
+            if not equals or name not in names:
+                raise ConfigError(
+                    f"data.mixture_stages stage {said!r}: {part.strip()!r} is not NAME=WEIGHT "
+                    f"for a source of data.mixture ({', '.join(names)})"
+                )
+            try:
+                weight = float(number_text)
+            except ValueError:
+                weight = float("nan")
+            if name in weights or not weight > 0:
+                raise ConfigError(
+                    f"data.mixture_stages stage {said!r}: {part.strip()!r} needs a weight > 0, "
+                    "once per source"
+                )
+            weights[name] = Fraction(number_text.strip())
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise ConfigError(
+                f"data.mixture_stages stage {said!r} gives no weight for {missing[0]}"
+            )
+        if out and start <= out[-1].start:
+            raise ConfigError(
+                f"data.mixture_stages stage {said!r} starts at example {start:,} (a block "
+                f"start), not after the stage before it ({out[-1].start:,})"
+            )
+        out.append(Stage(start, _normalised([weights[n] for n in names])))
+    if out[0].start != 0:
+        raise ConfigError("data.mixture_stages must start at 0: write 0:NAME=W+... first")
+    return out
+
+
+class _Quota:
+    """R(n) of one stage's weights: rows per source after n blocks, cached as computed."""
+
+    def __init__(self, weights: Sequence[Fraction]) -> None:
+        self.denominator = int(np.lcm.reduce([w.denominator for w in weights]))
+        self.numerators = np.array(
+            [w.numerator * (self.denominator // w.denominator) for w in weights], dtype=object
+        )
+        self.given = np.zeros((1, len(weights)), dtype=np.int64)  # R(0)
+
+    def _largest_remainder(self, blocks: np.ndarray) -> np.ndarray:
+        total = blocks.astype(object) * BLOCK
+        exact = total[:, None] * self.numerators[None, :]  # quota × denominator, exact
+        floor = (exact // self.denominator).astype(np.int64)
+        remainder = (exact % self.denominator).astype(np.float64)  # < denominator, exact
+        left = total.astype(np.int64) - floor.sum(axis=1)
+        # rank by remainder, largest first, ties in NAME order (a stable sort)
+        order = np.argsort(-remainder, axis=1, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :], axis=1)
+        return floor + (rank < left[:, None])
+
+    def _keep_counts(self, before: np.ndarray, after: np.ndarray, blocks: int) -> np.ndarray:
+        """R(blocks) from R(blocks - 1) where the largest remainder would take rows back."""
+        counts = after - before
+        excess = int(-counts[counts < 0].sum())
+        counts[counts < 0] = 0
+        over = after.astype(object) * self.denominator - blocks * BLOCK * self.numerators
+        for s in sorted(range(len(counts)), key=lambda s: -over[s]):  # most over first
+            if excess == 0:
+                break
+            if counts[s] > 0:
+                counts[s] -= 1
+                excess -= 1
+        return before + counts
+
+    def upto(self, blocks: int) -> np.ndarray:
+        """R(0), ..., R(blocks)."""
+        have = len(self.given) - 1
+        if blocks > have:
+            more = self._largest_remainder(np.arange(have + 1, blocks + 1))
+            given = np.concatenate([self.given, more])
+            n = have
+            while n < blocks:
+                end = min(n + 4096, blocks)
+                fell = np.nonzero((np.diff(given[n : end + 1], axis=0) < 0).any(axis=1))[0]
+                if not len(fell):
+                    n = end
+                    continue
+                n += int(fell[0]) + 1
+                given[n] = self._keep_counts(given[n - 1], given[n], n)
+            self.given = given
+        return self.given[: blocks + 1]
+
+
+class Order:
+    """Which source, and which of its stream's rows, each global example is."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        self.stages = list(stages)
+        self.quotas = [_Quota(stage.weights) for stage in self.stages]
+        self.sources = len(self.stages[0].weights)
+
+    def _stage_of(self, block: int) -> int:
+        starts = [stage.start // BLOCK for stage in self.stages]
+        return int(np.searchsorted(starts, block, side="right")) - 1
+
+    def given_before(self, block: int) -> np.ndarray:
+        """Rows each source gave in blocks [0, block)."""
+        total = np.zeros(self.sources, dtype=np.int64)
+        for j, stage in enumerate(self.stages):
+            first = stage.start // BLOCK
+            if first >= block:
+                break
+            end = self.stages[j + 1].start // BLOCK if j + 1 < len(self.stages) else None
+            n = block - first if end is None else min(block, end) - first
+            total += self.quotas[j].upto(n)[n]
+        return total
+
+    def counts(self, block: int) -> np.ndarray:
+        """Rows each source gives in block `block`."""
+        j = self._stage_of(block)
+        n = block - self.stages[j].start // BLOCK
+        given = self.quotas[j].upto(n + 1)
+        return given[n + 1] - given[n]
+
+    def block_sources(self, block: int, seed: int) -> np.ndarray:
+        """The source of each of the block's 32 places: NAME order, shuffled by the seed."""
+        labels = np.repeat(np.arange(self.sources), self.counts(block))
+        shuffle = np.random.default_rng([seed, _SHUFFLE_TAG, block]).permutation(BLOCK)
+        return labels[shuffle]
+
+    def examples(self, first: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, k) of global examples [first, first + count): the k-th row of that
+        source's own stream."""
+        index = np.arange(first, first + count)
+        source = np.empty(count, dtype=np.int64)
+        k = np.empty(count, dtype=np.int64)
+        for block in range(first // BLOCK, -(-(first + count) // BLOCK)):
+            places = self.block_sources(block, seed)
+            before = self.given_before(block)
+            rank = np.empty(BLOCK, dtype=np.int64)  # how many earlier places share a source
+            for s in range(self.sources):
+                here = places == s
+                rank[here] = np.arange(int(here.sum()))
+            at = (index // BLOCK) == block
+            place = index[at] % BLOCK
+            source[at] = places[place]
+            k[at] = before[places[place]] + rank[place]
+        return source, k
+
+    def given(self, examples: int, seed: int) -> np.ndarray:
+        """Rows each source gave in global examples [0, examples)."""
+        block, inside = divmod(examples, BLOCK)
+        total = self.given_before(block)
+        if inside:
+            total += np.bincount(self.block_sources(block, seed)[:inside], minlength=self.sources)
+        return total
+
+
+def source_seed(seed: int, name: str) -> int:
+    """The seed of source `name`'s own permutations: apart from every other source's."""
+    digest = hashlib.sha256(f"jaxkit mixture {seed} {name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+@dataclasses.dataclass
+class MixtureRows:
+    """Several sources' rows as one Source: ids [offset_s, offset_s + len_s) are source s's.
+
+    With an `order` (the training split) the loader asks `stream_rows` for the ids of
+    global examples; without one (held-out splits) each source is evaluated on its own
+    (`parts`)."""
+
+    names: tuple[str, ...]
+    parts: tuple[Any, ...]  # each a data.Source (token_files.TokenRows)
+    order: Order | None = None
+    note: str | None = None
+    tokenizer: dict | None = None
+
+    def __post_init__(self) -> None:
+        self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
+        own = zip(self.names, self.parts, strict=True)
+        self.fingerprint: dict[str, Any] = {
+            "mixture": {name: getattr(part, "fingerprint", None) for name, part in own}
+        }
+        if self.order is not None:
+            self.fingerprint["stages"] = [
+                {"start": s.start, "weights": [str(w) for w in s.weights]}
+                for s in self.order.stages
+            ]
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def stream_rows(self, first: int, count: int, seed: int) -> np.ndarray:
+        from jaxkit.data import rows_of_examples
+
+        assert self.order is not None
+        source, k = self.order.examples(first, count, seed)
+        ids = np.empty(count, dtype=np.int64)
+        for s, name in enumerate(self.names):
+            here = source == s
+            if here.any():
+                own = rows_of_examples(k[here], len(self.parts[s]), source_seed(seed, name))
+                ids[here] = self.offsets[s] + own
+        return ids
+
+    def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        source = np.searchsorted(self.offsets, ids, side="right") - 1
+        return [(s, source == s) for s in range(len(self.parts)) if (source == s).any()]
+
+    def __getitem__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        pieces = [
+            (here, self.parts[s][ids[here] - self.offsets[s]]) for s, here in self._split(ids)
+        ]
+        weighted = any("weights" in rows for _, rows in pieces)
+        out: dict[str, np.ndarray] = {}
+        for here, rows in pieces:
+            if weighted and "weights" not in rows:
+                rows["weights"] = np.ones(rows["targets"].shape, dtype=np.float32)
+            for key, value in rows.items():
+                if key not in out:
+                    out[key] = np.empty((len(ids), *value.shape[1:]), dtype=value.dtype)
+                out[key][here] = value
+        return out
+
+    def row_weight_sums(self, ids: np.ndarray) -> np.ndarray:
+        from jaxkit.data import row_weight_sums
+
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.empty(len(ids), dtype=np.float64)
+        for s, here in self._split(ids):
+            out[here] = row_weight_sums(self.parts[s], ids[here] - self.offsets[s])
+        return out
+
+    def by_source(self, examples: int, seed: int) -> dict[str, dict]:
+        """examples_by_source and epochs_by_source after global examples [0, examples)."""
+        assert self.order is not None
+        given = self.order.given(examples, seed)
+        return {
+            "examples_by_source": {n: int(g) for n, g in zip(self.names, given, strict=True)},
+            "epochs_by_source": {
+                n: int(g) / len(p) for n, g, p in zip(self.names, given, self.parts, strict=True)
+            },
+        }

@@ -1,0 +1,220 @@
+"""data.mixture: several token sources in one exact order (jaxkit/mixture.py). The order is
+checked as a function (counts per block, rows of a resume), then through the CLI: a
+mixture's run on two splits of its global batch, its refusals and what it records."""
+
+import json
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from cli_run import jaxkit
+from token_dirs import write_prepared
+
+from jaxkit import data as data_lib
+from jaxkit import mixture
+from jaxkit.config import ConfigError, apply_overrides, check_values, load_config
+
+# A one-layer Llama, 3 steps of 32 rows of 16 tokens on 8 CPU devices, one eval at the end.
+RUN = [
+    "train", "llama_tiny", "model.vocab_size=64", "model.d_model=32", "model.num_layers=1",
+    "model.num_heads=4", "model.num_kv_heads=2", "model.mlp_dim=64", "data.seq_len=16",
+    "data.source=tokens", "train.steps=3", "train.eval_every=3", "train.eval_examples=4",
+    "batch.global_batch_size=32", "--no-progress",
+]  # fmt: skip
+
+
+def _docs(rng, count, length):
+    return [
+        (rng.integers(2, 64, 3).tolist(), rng.integers(2, 64, length).tolist())
+        for _ in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """web: 40 documents (85 windows of 16), code: 10 (fewer rows than a global batch)."""
+    tmp = tmp_path_factory.mktemp("mixture")
+    rng = np.random.default_rng(0)
+    web, code = _docs(rng, 40, 30), _docs(rng, 10, 20)
+    write_prepared(tmp / "web", {"train": web, "eval": web[:4]}, vocab_size=64, eod_id=1)
+    write_prepared(tmp / "code", {"train": code, "eval": code[:3]}, vocab_size=64, eod_id=1)
+    return tmp
+
+
+def _mix(dirs, web=0.9, code=0.1, **more):
+    value = {"web": {"path": str(dirs / "web"), "weight": web}}
+    value["code"] = {"path": str(dirs / "code"), "weight": code}
+    return "data.mixture=" + json.dumps(value | more)
+
+
+def _sources(dirs, *overrides):
+    config = load_config("llama_tiny")
+    apply_overrides(config, [*RUN[2:-1], _mix(dirs), *overrides])
+    check_values(config)
+    return data_lib.make_sources(config)
+
+
+def _order(weights, text=""):
+    value = {name: {"path": "x", "weight": w} for name, w in weights.items()}
+    return mixture.Order(mixture.stages(value, text, 16))
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"code": 0.1, "web": 0.9},
+        {"rare": 0.01, "web": 0.99},
+        # the largest remainder alone would take a row back from a, b and c here
+        {"a": 0.3, "b": 0.01, "c": 0.01, "d": 7, "e": 7},
+    ],
+)
+def test_rows_per_source_are_exact_after_every_block(weights):
+    """After n blocks each source has given n·32·w rounded by the largest remainder (NAME
+    order on ties) wherever that gives no source fewer rows than the block before; every
+    block holds 32 rows, none taken back, and a weight of 0.01 gives its rows."""
+    order = _order(weights)
+    names = sorted(weights)
+    total = sum(Fraction(str(w)) for w in weights.values())
+    share = [Fraction(str(weights[n])) / total for n in names]
+    source, _ = order.examples(0, 32 * 400, seed=3)
+    counts = np.stack(
+        [np.bincount(source[b * 32 : (b + 1) * 32], minlength=len(names)) for b in range(400)]
+    )
+    assert (counts >= 0).all() and (counts.sum(axis=1) == 32).all()
+    given = np.cumsum(counts, axis=0)
+    for n in range(1, 401):
+        quota = [32 * n * w for w in share]
+        floor = [int(q) for q in quota]
+        ranked = sorted(range(len(names)), key=lambda s: (-(quota[s] - floor[s]), s))
+        exact = list(floor)
+        for s in ranked[: 32 * n - sum(floor)]:
+            exact[s] += 1
+        if all(
+            e >= g for e, g in zip(exact, given[n - 2] if n > 1 else [0] * len(names), strict=True)
+        ):
+            assert given[n - 1].tolist() == exact, n
+        assert np.all(np.abs(given[n - 1] - np.array([float(q) for q in quota])) < 1.1)
+    assert given[-1][names.index(min(weights, key=weights.get))] > 0
+
+
+def test_each_source_reads_its_own_seeded_stream_epoch_after_epoch(dirs):
+    """A source's k-th row is its own permutation's, the next epoch starting where one
+    runs out: code (14 rows) read 4 times over in 60 blocks gives every row each epoch."""
+    train, _ = _sources(dirs)
+    ids = train.stream_rows(0, 32 * 60, 5)
+    code = ids[ids < train.offsets[1]]  # sources in NAME order: code first
+    rows = len(train.parts[0])
+    assert len(code) >= 2 * rows
+    for epoch in range(len(code) // rows):
+        assert sorted(code[epoch * rows : (epoch + 1) * rows]) == list(range(rows))
+
+
+def test_a_resume_reads_the_rows_of_an_uninterrupted_run(dirs):
+    """Rows read in steps of 24 from a cold start at 4 positions (a new process each: new
+    sources, nothing cached) are those one uninterrupted read gives, in order, across a
+    stage boundary at 200 examples (moved to the block start at 224)."""
+    stages = "data.mixture_stages=0:web=9+code=1,200:web=1+code=1"
+    train, _ = _sources(dirs, stages)
+    whole = train.stream_rows(0, 24 * 20, 7)
+    for start in (0, 96, 216, 240):
+        fresh, _ = _sources(dirs, stages)
+        read = np.concatenate([fresh.stream_rows(e, 24, 7) for e in range(start, 24 * 20, 24)])
+        np.testing.assert_array_equal(read, whole[start:])
+    picked = train.order.examples(0, 24 * 20, 7)[0]
+    assert np.bincount(picked[224:], minlength=2).tolist() == [128, 128]
+
+
+def test_a_stage_added_later_leaves_earlier_rows_unchanged(dirs):
+    train, _ = _sources(dirs)
+    later, _ = _sources(dirs, "data.mixture_stages=0:web=0.9+code=0.1,1k:web=0.5+code=0.5")
+    np.testing.assert_array_equal(later.stream_rows(0, 1024, 1), train.stream_rows(0, 1024, 1))
+    assert not np.array_equal(later.stream_rows(1024, 64, 1), train.stream_rows(1024, 64, 1))
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ({"Web": {"path": "x", "weight": 1}}, "data.mixture: the name 'Web' is not [a-z0-9_]+"),
+        ({"web": {"path": "x", "weight": 0}}, "data.mixture.web.weight=0: must be a number > 0"),
+        ({"web": {"path": "x", "weight": -1.5}}, "data.mixture.web.weight=-1.5: must be"),
+        ({"web": {"path": "x", "wieght": 1}}, "data.mixture.web: unknown field 'wieght'"),
+        ({"web": {"weight": 1}}, "data.mixture.web.path=null: must name token files"),
+    ],
+)
+def test_a_bad_source_is_refused_in_one_line(value, said):
+    config = load_config("llama_tiny")
+    apply_overrides(config, [*RUN[2:-1], "data.mixture=" + json.dumps(value)])
+    with pytest.raises(ConfigError) as caught:
+        check_values(config)
+    assert str(caught.value).startswith(said), caught.value
+
+
+def test_sources_of_other_tokenizers_or_unreadable_paths_are_refused(dirs, tmp_path):
+    rng = np.random.default_rng(1)
+    meta = write_prepared(
+        tmp_path / "other",
+        {"train": _docs(rng, 5, 20), "eval": _docs(rng, 2, 20)},
+        vocab_size=64,
+        eod_id=1,
+    )
+    meta["tokenizer_sha256"] = "0" * 64
+    (tmp_path / "other" / "meta.json").write_text(json.dumps(meta))
+    other = {"path": str(tmp_path / "other"), "weight": 1}
+    done = jaxkit(*RUN, _mix(dirs, other=other), "--workdir", str(tmp_path / "a"))
+    assert done.returncode == 2, done.stderr
+    said = f"data.mixture.other: its tokenizer ({'0' * 64}) is not data.mixture.code's (bytes)"
+    assert said in done.stderr, done.stderr
+    gone = {"path": str(tmp_path / "missing"), "weight": 1}
+    done = jaxkit(*RUN, _mix(dirs, gone=gone), "--workdir", str(tmp_path / "b"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "error: data.mixture.gone: data.path=" in done.stderr, done.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(dirs):
+    """The same mixture's 3 steps with global batches of 32 split in two ways on 8 devices:
+    4 rows per device (K=1), 1 row per device with 4 micro-steps."""
+    out = {}
+    for per_device in (4, 1):
+        workdir = dirs / f"run{per_device}"
+        done = jaxkit(
+            *RUN, _mix(dirs), f"batch.per_device_batch_size={per_device}", "--workdir", str(workdir)
+        )
+        assert done.returncode == 0, done.stderr
+        records = [
+            json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()
+        ]
+        out[per_device] = records, json.loads((workdir / "summary.json").read_text())
+    return out
+
+
+def test_two_splits_of_a_global_batch_train_the_same_model(runs):
+    """The same rows each step, so the same losses; 1e-5: float32 sums in another order."""
+    (one, _), (four, _) = runs[4], runs[1]
+    losses = [[r["loss"] for r in records if "loss" in r] for records in (one, four)]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+    evals = [next(r for r in records if "eval_loss" in r) for records in (one, four)]
+    for name in ("web", "code"):
+        a, b = (e["eval_loss_by_source"][name] for e in evals)
+        assert abs(a - b) < 1e-5
+
+
+def test_the_summary_counts_each_sources_rows_and_eval(runs, dirs):
+    """96 rows at 0.9/0.1: 3 blocks give round(96 × 0.1) = 10 code rows (exact after each
+    block); eval_loss is Σ weight × loss over both sources' held-out rows."""
+    records, summary = runs[4]
+    train, held_out = _sources(dirs)
+    assert summary["examples_by_source"] == {"code": 10, "web": 86}
+    assert summary["epochs_by_source"] == {
+        "code": 10 / len(train.parts[0]),
+        "web": 86 / len(train.parts[1]),
+    }
+    last = [r for r in records if "eval_loss" in r][-1]
+    weights = [
+        data_lib.row_weight_sums(part, np.arange(data_lib.eval_row_count(part, 4))).sum()
+        for part in held_out.parts
+    ]
+    losses = [last["eval_loss_by_source"][name] for name in held_out.names]
+    assert last["eval_loss"] == pytest.approx(np.dot(weights, losses) / sum(weights), rel=1e-12)
+    assert summary["eval_loss_by_source"] == last["eval_loss_by_source"]
