@@ -42,6 +42,7 @@ import orbax.checkpoint as ocp
 from jaxkit.batch_plan import Accumulation
 from jaxkit.batch_schedule import Position
 from jaxkit.config import ADDED_DEFAULTS, flatten, resumable
+from jaxkit.mixture import stage_changes
 from jaxkit.train_step import abstract_params, abstract_state
 from jaxkit.workdir import absolute, missing_gcs_support
 
@@ -109,6 +110,9 @@ _TOKENIZER = "tokenizer"
 # The key of data facts that records where the config's input paths lie (data.PATHS): held
 # against the config's keys (config_conflicts), not compared as facts of the data.
 _PATHS = "paths"
+# The key of data facts that records a mixture's stages (data.MIXTURE_STAGES): compared only
+# up to the saved position (mixture.stage_changes), so a resume may add a later stage.
+_MIXTURE_STAGES = "mixture_stages"
 
 
 def data_changes(saved: dict | None, current: dict | None) -> list[str]:
@@ -120,7 +124,8 @@ def data_changes(saved: dict | None, current: dict | None) -> list[str]:
     both = FINGERPRINT in saved and FINGERPRINT in current
 
     def facts(data: dict) -> dict[str, object]:
-        rows = {k: v for k, v in data.items() if k not in (FINGERPRINT, _TOKENIZER, _PATHS)}
+        skip = (FINGERPRINT, _TOKENIZER, _PATHS, _MIXTURE_STAGES)
+        rows = {k: v for k, v in data.items() if k not in skip}
         return rows | (flatten(data[FINGERPRINT]) if both else {})
 
     old, new = facts(saved), facts(current)
@@ -551,6 +556,11 @@ def _check_same_run(
             + "\nUse the saved values, or a new --workdir."
         )
     changes = data_changes(meta.get("data"), data)
+    changes += stage_changes(
+        (meta.get("data") or {}).get(_MIXTURE_STAGES),
+        (data or {}).get(_MIXTURE_STAGES),
+        position_of(meta).examples,
+    )
     if changes:
         raise CheckpointError(
             f"{checkpointer.directory.parent} was trained on other data; its saved data "

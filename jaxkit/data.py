@@ -632,6 +632,8 @@ TOKENIZER = "tokenizer"
 
 # The key of data facts that records where the config's input paths lie (input_paths).
 PATHS = "paths"
+# The key of data facts that records a mixture's stages (mixture.stage_changes).
+MIXTURE_STAGES = "mixture_stages"
 
 
 def input_paths(config: ml_collections.ConfigDict) -> dict[str, str]:
@@ -663,6 +665,9 @@ def data_facts(
     fingerprint = getattr(train_source, "fingerprint", None)
     if fingerprint is not None:
         facts["fingerprint"] = fingerprint
+    stages = getattr(train_source, "stages", None)
+    if stages is not None:  # a mixture's: compared up to a resume's position
+        facts[MIXTURE_STAGES] = stages
     tokenizer = getattr(train_source, "tokenizer", None)
     if tokenizer is not None:  # where its file is, not what the data is: a resume ignores it
         facts[TOKENIZER] = tokenizer

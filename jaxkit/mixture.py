@@ -354,13 +354,19 @@ class MixtureRows:
     def __post_init__(self) -> None:
         self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
         own = zip(self.names, self.parts, strict=True)
+        # Every source's tokens: a resume on other sources is refused naming the one changed.
         self.fingerprint: dict[str, Any] = {
             "mixture": {name: getattr(part, "fingerprint", None) for name, part in own}
         }
+        # The stages, which a resume compares only up to its position (stage_changes).
+        self.stages: list[dict] | None = None
         if self.order is not None:
-            self.fingerprint["stages"] = [
-                {"start": s.start, "weights": [str(w) for w in s.weights]}
-                for s in self.order.stages
+            self.stages = [
+                {
+                    "start": stage.start,
+                    "weights": dict(zip(self.names, map(str, stage.weights), strict=True)),
+                }
+                for stage in self.order.stages
             ]
 
     def __len__(self) -> int:
@@ -419,3 +425,25 @@ class MixtureRows:
                 n: int(g) / len(p) for n, g, p in zip(self.names, given, self.parts, strict=True)
             },
         }
+
+
+def stage_changes(saved: list[dict] | None, current: list[dict] | None, examples: int) -> list[str]:
+    """Lines naming each stage starting at or before global example `examples` that a
+    resume would change (a later stage may be added or changed: nothing read it yet)."""
+    if saved is None or current is None:
+        return []
+
+    def past(stages: list[dict]) -> dict[int, dict]:
+        return {stage["start"]: stage["weights"] for stage in stages if stage["start"] <= examples}
+
+    old, new = past(saved), past(current)
+
+    def said(weights: dict | None) -> str:
+        return "<absent>" if weights is None else "+".join(f"{n}={w}" for n, w in weights.items())
+
+    return [
+        f"  data.mixture_stages: the stage from example {start:,} {said(old.get(start))} "
+        f"(saved) -> {said(new.get(start))}, which the saved position {examples:,} has read"
+        for start in sorted(old.keys() | new.keys())
+        if old.get(start) != new.get(start)
+    ]

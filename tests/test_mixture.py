@@ -218,3 +218,39 @@ def test_the_summary_counts_each_sources_rows_and_eval(runs, dirs):
     losses = [last["eval_loss_by_source"][name] for name in held_out.names]
     assert last["eval_loss"] == pytest.approx(np.dot(weights, losses) / sum(weights), rel=1e-12)
     assert summary["eval_loss_by_source"] == last["eval_loss_by_source"]
+
+
+def test_a_resume_may_add_a_later_stage_but_not_change_a_past_one(runs, dirs):
+    """The run at 96 examples resumed with a stage from 1k added (nothing read it) is the
+    finished run; a stage from 64 (inside the rows it read) is refused, naming it."""
+    resume = [*RUN, _mix(dirs), "batch.per_device_batch_size=4", "--workdir", str(dirs / "run4")]
+    later = "data.mixture_stages=0:web=0.9+code=0.1,1k:web=0.5+code=0.5"
+    done = jaxkit(*resume, later)
+    assert done.returncode == 0, done.stderr
+    assert "holds a finished run of 3 steps" in done.stdout, done.stdout
+    past = "data.mixture_stages=0:web=0.9+code=0.1,64:web=0.5+code=0.5"
+    done = jaxkit(*resume, past)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    said = (
+        "data.mixture_stages: the stage from example 64 <absent> (saved) -> code=1/2+web=1/2, "
+        "which the saved position 96 has read"
+    )
+    assert said in done.stderr, done.stderr
+
+
+def test_a_resume_on_other_tokens_names_the_source_that_changed(dirs, tmp_path):
+    """The data facts a checkpoint records hold every source's fingerprint: code's
+    directory with other tokens (same counts) is named as what changed, web is not."""
+    import shutil
+
+    from jaxkit.checkpoint import data_changes
+
+    shutil.copytree(dirs / "web", tmp_path / "web")
+    rng = np.random.default_rng(9)
+    code = _docs(rng, 10, 20)
+    write_prepared(tmp_path / "code", {"train": code, "eval": code[:3]}, vocab_size=64, eod_id=1)
+    saved = data_lib.data_facts(*_sources(dirs))
+    changed = data_lib.data_facts(*_sources(tmp_path))
+    lines = data_changes(saved, changed)
+    assert lines and all(line.startswith("  mixture.code.") for line in lines), lines
+    assert any("mixture.code.shard_digest" in line for line in lines), lines
