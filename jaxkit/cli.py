@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
 
 from jaxkit.commands import data, evaluate, experiment, export, plan, report, sample, train
 from jaxkit.commands.common import (
@@ -25,9 +24,7 @@ from jaxkit.commands.common import (
     UsageError,
     error,
 )
-
-if TYPE_CHECKING:
-    import ml_collections
+from jaxkit.commands.common import load_config as _load_config
 
 COMMANDS = ("plan", "train", "experiment", "report", "data", "export", "sample", "eval")
 
@@ -80,33 +77,6 @@ def _ignored_option(opts: argparse.Namespace) -> str | None:
     if opts.command == "experiment":
         return experiment.ignored_option(opts)
     return None
-
-
-def _split_args(args: list[str]) -> tuple[str, list[str]]:
-    from jaxkit.config import DEFAULT_CONFIG
-
-    if args and "=" not in args[0]:
-        return args[0], args[1:]
-    return DEFAULT_CONFIG, args
-
-
-def _load_config(args: list[str], workdir: str | None = None) -> ml_collections.ConfigDict:
-    """CONFIG with its overrides applied and every value checked (before JAX starts).
-    `workdir`: train's, where a checkpoint there makes this a resume."""
-    from jaxkit.config import apply_overrides, load_config
-    from jaxkit.hf.load import apply_init_from
-    from jaxkit.validate import validate
-
-    name, overrides = _split_args(args)
-    config = load_config(name)
-    held: list[str] = []  # fields of a dict the config leaves null (model.rope_scaling.factor)
-    apply_overrides(config, overrides, held=held)
-    # model.init_from=hf:DIR: its architecture, or at a resume the checkpoint's, held against
-    # every override, a field of a dict against the same field of config.json's value
-    apply_init_from(config, overrides, workdir)
-    apply_overrides(config, held)  # on the dict config.json gave; still null: refused
-    validate(config)
-    return config
 
 
 def _start_jax(host_devices: int | None, cpu_only: bool = False, cache: bool = True) -> None:

@@ -1,5 +1,6 @@
-"""What the commands share: argparse types, the options every JAX command takes, and the
-checks and messages of a refusal (one line on stderr, exit status 2)."""
+"""What the commands share: argparse types, the options every JAX command takes, a config
+loaded from the command line, and the checks and messages of a refusal (one line on stderr,
+exit status 2)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ml_collections
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
 MAX_HOST_DEVICES = 1024  # simulated devices share this machine's cores and memory
@@ -93,6 +98,36 @@ def add_common(parser: argparse.ArgumentParser) -> None:
         "cache ($JAXKIT_CACHE_DIR/xla, or JAX_COMPILATION_CACHE_DIR; --target plans: "
         "$JAXKIT_CACHE_DIR/plans)",
     )
+
+
+def split_args(args: list[str]) -> tuple[str, list[str]]:
+    """[CONFIG] [key=value ...]: the config's name (the default where none is given) and
+    the overrides."""
+    from jaxkit.config import DEFAULT_CONFIG
+
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return DEFAULT_CONFIG, args
+
+
+def load_config(args: list[str], workdir: str | None = None) -> ml_collections.ConfigDict:
+    """CONFIG with its overrides applied and every value checked (before JAX starts).
+    `workdir`: train's, where a checkpoint there makes this a resume."""
+    from jaxkit.config import apply_overrides
+    from jaxkit.config import load_config as load_named
+    from jaxkit.hf.load import apply_init_from
+    from jaxkit.validate import validate
+
+    name, overrides = split_args(args)
+    config = load_named(name)
+    held: list[str] = []  # fields of a dict the config leaves null (model.rope_scaling.factor)
+    apply_overrides(config, overrides, held=held)
+    # model.init_from=hf:DIR: its architecture, or at a resume the checkpoint's, held against
+    # every override, a field of a dict against the same field of config.json's value
+    apply_init_from(config, overrides, workdir)
+    apply_overrides(config, held)  # on the dict config.json gave; still null: refused
+    validate(config)
+    return config
 
 
 class UsageError(ValueError):

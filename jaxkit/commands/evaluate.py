@@ -1,12 +1,16 @@
 """`jaxkit eval SOURCE`: the held-out loss of a run's checkpoint or a Hugging Face
 directory, outside a run. The run's own eval (loop_pieces.evaluate) on the run's mesh and
-plan: on the run's held-out split at its final checkpoint, the summary's `eval_loss`."""
+plan: on the run's held-out split at its final checkpoint, the summary's `eval_loss`.
+
+With `--tasks T[,T...]`, lm-evaluation-harness's tasks instead (the `eval` extra), the
+model driven through jaxkit/lm_eval_model.py."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import pathlib
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "eval",
         help="the held-out loss of a run's checkpoint or a Hugging Face directory",
-        usage="%(prog)s SOURCE [key=value ...] [--data PATH] [--examples N] [options]",
+        usage="%(prog)s SOURCE [key=value ...] [--data PATH] [--examples N] [options]\n"
+        "       jaxkit eval SOURCE [key=value ...] --tasks T[,T...] [--limit N] "
+        "[--num-fewshot K] [--include-path DIR] [--out PATH] [options]",
     )
     source_lib.add_source(parser, hf_note="; it needs --data")
     parser.add_argument(
@@ -48,8 +54,53 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="one JSON object: eval_loss, eval_accuracy, eval_perplexity, eval_bits_per_byte "
         "(byte data), eval_examples, eval_targets",
     )
+    harness = parser.add_argument_group(
+        "lm-evaluation-harness (pip install 'jaxkit[eval]')",
+    )
+    harness.add_argument(
+        "--tasks",
+        type=_task_names,
+        metavar="T[,T...]",
+        help="run lm-evaluation-harness's tasks (or --include-path's) on the model and print "
+        "its table, instead of the held-out loss",
+    )
+    harness.add_argument(
+        "--limit",
+        type=common.int_at_least(1),
+        metavar="N",
+        help="the first N documents of each task (default: all)",
+    )
+    harness.add_argument(
+        "--num-fewshot",
+        type=common.int_at_least(0),
+        metavar="K",
+        help="K examples before each question (default: each task's own)",
+    )
+    harness.add_argument(
+        "--include-path",
+        metavar="DIR",
+        help="a directory of task YAML files of your own, as lm_eval's option of that name",
+    )
+    harness.add_argument(
+        "--out",
+        metavar="PATH",
+        help="write the harness's results to PATH as JSON, each document's requests and "
+        "the model's responses under samples",
+    )
     source_lib.add_options(parser)
     return parser
+
+
+HARNESS_OPTIONS = ("limit", "num_fewshot", "include_path", "out")
+HELD_OUT_OPTIONS = ("data", "examples", "json")
+EXTRA = "pip install 'jaxkit[eval]'"
+
+
+def _task_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: task names separated by commas")
+    return names
 
 
 def run(
@@ -65,8 +116,13 @@ def run(
     from jaxkit.mesh import MeshError
     from jaxkit.tokenizer import TokenizerError
 
+    if opts.tasks is not None:
+        return _harness(opts, start_jax)
     hf = opts.source.startswith(source_lib.HF_PREFIX)
     try:
+        for name in HARNESS_OPTIONS:
+            if getattr(opts, name) is not None:
+                raise common.UsageError(f"--{name.replace('_', '-')} applies with --tasks only")
         source_lib.check_overrides(opts.overrides, "an eval")
         if hf and opts.data is None:
             raise common.UsageError(
@@ -92,6 +148,88 @@ def run(
         return common.error(err)
     print(_report(result, source, isinstance(held_out, TokenWindows), opts.json))
     return 0
+
+
+def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bool], None]) -> int:
+    """lm-evaluation-harness's tasks on the model: its table on stdout, --out its JSON."""
+    from jaxkit.checkpoint import CheckpointError
+    from jaxkit.config import ConfigError
+    from jaxkit.mesh import MeshError
+    from jaxkit.tokenizer import TokenizerError
+
+    try:
+        for name in HELD_OUT_OPTIONS:
+            if getattr(opts, name) not in (None, False):
+                raise common.UsageError(
+                    f"--{name} applies to the held-out loss, not to --tasks (the harness's)"
+                )
+        try:
+            import lm_eval
+        except ImportError:
+            raise common.UsageError(
+                f"--tasks runs lm-evaluation-harness, which is not installed: {EXTRA}"
+            ) from None
+        source_lib.check_overrides(opts.overrides, "an eval")
+        if opts.include_path is not None and not pathlib.Path(opts.include_path).is_dir():
+            raise common.UsageError(f"--include-path {opts.include_path}: not a directory")
+        if opts.out is not None:
+            common.check_can_write(str(pathlib.Path(opts.out).parent), "--out")
+        tasks = _task_manager(opts.tasks, opts.include_path)
+        # Before anything reads a checkpoint: the device count is fixed when JAX starts.
+        start_jax(opts.host_devices, False, not opts.no_compile_cache)
+        from jaxkit.lm_eval_model import JaxkitLM  # its errors are usage errors
+
+        model = JaxkitLM(opts.source, *opts.overrides, step=opts.step)
+        results = lm_eval.simple_evaluate(
+            model=model,
+            tasks=opts.tasks,
+            num_fewshot=opts.num_fewshot,
+            limit=opts.limit,
+            task_manager=tasks,
+        )
+    except (
+        common.UsageError,
+        CheckpointError,
+        ConfigError,
+        MeshError,
+        TokenizerError,
+    ) as err:
+        return common.error(err)
+    assert results is not None  # a single process: the harness returns to rank 0
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    if opts.out is not None:
+        text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
+        pathlib.Path(opts.out).write_text(text + "\n")
+    return 0
+
+
+def _task_manager(names: list[str], include_path: str | None) -> Any:
+    """The harness's task index holding every name, --include-path's first: the harness's
+    own (some 14,000 YAML files, 15 s to read) only where a name is not found there."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        tasks = TaskManager(include_path=include_path, include_defaults=False)
+        if not _missing(tasks, names):
+            return tasks
+    tasks = TaskManager(include_path=include_path)
+    missing = _missing(tasks, names)
+    if missing:
+        where = " (nor --include-path's)" if include_path is not None else ""
+        raise common.UsageError(
+            f"--tasks: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not among "
+            f"lm-evaluation-harness's tasks{where}"
+        )
+    return tasks
+
+
+def _missing(tasks: Any, names: list[str]) -> list[str]:
+    found = set(tasks.match_tasks(names))
+    return [name for name in names if name not in found]
 
 
 # --json's keys, in order; eval_bits_per_byte for byte data only.

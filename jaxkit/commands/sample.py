@@ -153,12 +153,14 @@ class Tokenizer:
     def name(self) -> str:
         return "bytes" if self.path is None else str(self.path)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, start: bool = True) -> list[int]:
+        """`text`'s ids; where it `start`s a sequence, with what the tokenizer or the data put
+        first (a beginning-of-sequence id), else the text's own ids only."""
         if self._hf is None:
             ids = list(text.encode("utf-8"))
         else:
-            ids = list(self._hf.encode(text, add_special_tokens=self.special).ids)
-        return ([self.bos_id] if self.bos_id is not None else []) + ids
+            ids = list(self._hf.encode(text, add_special_tokens=self.special and start).ids)
+        return ([self.bos_id] if self.bos_id is not None and start else []) + ids
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._hf is None:
@@ -234,7 +236,7 @@ def run(
         start_jax(opts.host_devices, False, not opts.no_compile_cache)
         # No data is read: synthetic ids hold no vocabulary to a floor (bytes would).
         source = source_lib.open_source(opts, load_config, ["data.source=synthetic"])
-        tokenizer, eos_ids = _tokenizer(source)
+        tokenizer, eos_ids = source_tokenizer(source)
         ids = [tokenizer.encode(p) for p in prompts]
         opts.max_new_tokens = _check_prompts(prompts, ids, source, tokenizer, opts.max_new_tokens)
         samples = _generate(source, ids, opts, eos_ids)
@@ -263,7 +265,7 @@ def run(
     return 0
 
 
-def _tokenizer(source: source_lib.Source) -> tuple[Tokenizer, list[int]]:
+def source_tokenizer(source: source_lib.Source) -> tuple[Tokenizer, list[int]]:
     """The source's tokenizer, and the ids that end a sample."""
     from jaxkit import tokenizer as tokenizer_lib
     from jaxkit.hf.load import read_hf_config

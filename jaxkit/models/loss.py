@@ -86,13 +86,24 @@ def eval_sums(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.A
     return {**_weighted_sums(model, batch, w, hits=True), "weight": jnp.sum(w)}
 
 
+def row_sums(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """eval_sums of each row apart, (B,) each: a row's Σ weight × loss is minus the log-
+    probability of its weighted targets (weights 0 or 1), and its Σ weight × hit equals its
+    Σ weight where each of them is its position's most probable token (lm-evaluation-
+    harness's log-likelihood and is_greedy, jaxkit/lm_eval_model.py)."""
+    w = batch["weights"]
+    return {**_weighted_sums(model, batch, w, hits=True, rows=True), "weight": jnp.sum(w, -1)}
+
+
 def _sums(
-    logits: jax.Array, targets: jax.Array, weights: jax.Array, hits: bool
+    logits: jax.Array, targets: jax.Array, weights: jax.Array, hits: bool, rows: bool = False
 ) -> dict[str, jax.Array]:
-    sums = {"loss_sum": jnp.sum(weights * token_cross_entropy(logits, targets))}
+    """The sums over every label, or over each row's (`rows`: the leading axis kept)."""
+    axes = tuple(range(1, targets.ndim)) if rows else None
+    sums = {"loss_sum": jnp.sum(weights * token_cross_entropy(logits, targets), axes)}
     if hits:
         hit = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-        sums["accuracy_sum"] = jnp.sum(weights * hit)
+        sums["accuracy_sum"] = jnp.sum(weights * hit, axes)
     return sums
 
 
@@ -106,13 +117,17 @@ def chunking(length: int, chunk_tokens: int) -> tuple[int, int]:
 
 
 def _weighted_sums(
-    model: nnx.Module, batch: dict[str, jax.Array], weights: jax.Array, hits: bool
+    model: nnx.Module,
+    batch: dict[str, jax.Array],
+    weights: jax.Array,
+    hits: bool,
+    rows: bool = False,
 ) -> dict[str, jax.Array]:
     targets = batch["targets"]
     chunk_tokens = model.loss_chunk_tokens if isinstance(model, ChunkedHead) else 0
     n, c = chunking(targets.shape[-1], chunk_tokens if targets.ndim == 2 else 0)
     if n == 1:
-        return _sums(logits_of(model, batch), targets, weights, hits)
+        return _sums(logits_of(model, batch), targets, weights, hits, rows)
     assert isinstance(model, ChunkedHead)
     extra = (batch["segment_ids"], batch["positions"]) if "segment_ids" in batch else ()
     h_BxLxD = model.head_input(batch["inputs"], *extra)
@@ -127,7 +142,7 @@ def _weighted_sums(
     xs = (cut(h_BxLxD), cut(targets), cut(weights))
     axes = _row_axes(B)
     if not axes:
-        return _chunk_sums(model, xs, hits)
+        return _chunk_sums(model, xs, hits, rows)
     # Under the compiler's sharding the head's gradient, summed over the chunks in the loop's
     # carry, would be reduced across the batch axes once per chunk (checked in the compiled
     # program: N all-reduces of the head against one unchunked). Each device therefore sums
@@ -140,12 +155,15 @@ def _weighted_sums(
         head: nnx.State, xs: tuple[jax.Array, jax.Array, jax.Array]
     ) -> dict[str, jax.Array]:
         head = jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), head)
-        sums = _chunk_sums(nnx.merge(graphdef, head, rest), xs, hits)
-        return jax.lax.psum(sums, axes)
+        sums = _chunk_sums(nnx.merge(graphdef, head, rest), xs, hits, rows)
+        return sums if rows else jax.lax.psum(sums, axes)
 
-    rows = P(None, axes)  # (N, B, C, ...): rows over the batch axes, as the batch is
+    chunks = P(None, axes)  # (N, B, C, ...): rows over the batch axes, as the batch is
     return jax.shard_map(
-        per_shard, in_specs=(P(), (rows, rows, rows)), out_specs=P(), axis_names=set(axes)
+        per_shard,
+        in_specs=(P(), (chunks, chunks, chunks)),
+        out_specs=P(axes) if rows else P(),  # each row's sums stay with its device
+        axis_names=set(axes),
     )(head, xs)
 
 
@@ -161,9 +179,11 @@ def _row_axes(rows: int) -> tuple[str, ...]:
     return axes if axes and rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
-def _chunk_sums(model: ChunkedHead, xs: tuple[jax.Array, ...], hits: bool) -> dict[str, jax.Array]:
+def _chunk_sums(
+    model: ChunkedHead, xs: tuple[jax.Array, ...], hits: bool, rows: bool = False
+) -> dict[str, jax.Array]:
     """The sums over every chunk of `xs` (h, targets, weights; chunk axis first), one chunk's
-    logits at a time."""
+    logits at a time; each row's apart where `rows`."""
 
     # Only the chunk's input is kept for the backward pass, which recomputes its logits
     # (prevent_cse guards against nothing inside a loop body, and would block fusions).
@@ -171,7 +191,7 @@ def _chunk_sums(model: ChunkedHead, xs: tuple[jax.Array, ...], hits: bool) -> di
     def chunk(xs: tuple[jax.Array, jax.Array, jax.Array]) -> dict[str, jax.Array]:
         h_BxCxD, targets_BxC, weights_BxC = xs
         logits_BxCxV = model.logits(constrain(h_BxCxD, "batch", None, None))
-        return _sums(logits_BxCxV, targets_BxC, weights_BxC, hits)
+        return _sums(logits_BxCxV, targets_BxC, weights_BxC, hits, rows)
 
-    per_chunk = jax.lax.map(chunk, xs)
-    return {name: jnp.sum(s_N) for name, s_N in per_chunk.items()}
+    per_chunk = jax.lax.map(chunk, xs)  # (N,) each, or (N, B) where `rows`
+    return {name: jnp.sum(s_N, axis=0) for name, s_N in per_chunk.items()}
