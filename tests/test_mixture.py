@@ -254,3 +254,42 @@ def test_a_resume_on_other_tokens_names_the_source_that_changed(dirs, tmp_path):
     lines = data_changes(saved, changed)
     assert lines and all(line.startswith("  mixture.code.") for line in lines), lines
     assert any("mixture.code.shard_digest" in line for line in lines), lines
+
+
+def test_each_sources_masks_score_its_rows_in_the_mixture(tmp_path):
+    """A prompt/completion source (masked) mixed with plain documents: each row carries its
+    own source's weights (only completions scored in the first, every target but padding
+    in the second), and a step's normaliser sums them over the whole global batch."""
+    rng = np.random.default_rng(4)
+    sft = _docs(rng, 20, 6)
+    write_prepared(tmp_path / "sft", {"train": sft, "eval": sft[:3]}, vocab_size=64, eod_id=1)
+    plain = _docs(rng, 20, 6)
+    write_prepared(
+        tmp_path / "plain",
+        {"train": plain, "eval": plain[:3]},
+        vocab_size=64,
+        eod_id=1,
+        masked=False,
+    )
+    value = {
+        "sft": {"path": str(tmp_path / "sft"), "weight": 1},
+        "plain": {"path": str(tmp_path / "plain"), "weight": 1},
+    }
+    config = load_config("llama_tiny")
+    apply_overrides(
+        config, [*RUN[2:-1], "data.rows=documents", "data.mixture=" + json.dumps(value)]
+    )
+    check_values(config)
+    train, _ = data_lib.make_sources(config)
+    ids = train.stream_rows(0, 64, 0)
+    got = train[ids]["weights"]
+    for s, part in enumerate(train.parts):
+        here = (ids >= train.offsets[s]) & (ids < train.offsets[s + 1])
+        assert here.any()
+        np.testing.assert_array_equal(got[here], part[ids[here] - train.offsets[s]]["weights"])
+    # NAME order: plain's rows first. A plain document of 3 + 6 + eod tokens scores its 9
+    # targets; an sft one its 6 completion tokens and the eod, never the prompt's.
+    sums = got.sum(axis=1)
+    assert set(sums[ids < train.offsets[1]].tolist()) == {9.0}
+    assert set(sums[ids >= train.offsets[1]].tolist()) == {7.0}
+    assert data_lib.step_weight(train, 0, 64, 0) == got.sum()

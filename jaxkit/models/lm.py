@@ -126,8 +126,8 @@ LM_OPTION_KEYS: tuple[Key, ...] = (
         Rule("null, or {NAME: {path, weight}}", lambda value: None),  # checked field by field
         '`tokens`: several sources in place of data.path, {NAME: {"path": PATH, '
         '"weight": W}} (NAME `[a-z0-9_]+`, W > 0, normalised); JSON on the command line. '
-        "Rows come in blocks of 32, each source's count exact after every block "
-        "(docs/data.md)",
+        "Rows come in 32-row blocks, each holding every source's share (a small weight is "
+        "never rounded away; docs/data.md)",
         type=dict,
         added=None,
     ),
