@@ -293,3 +293,39 @@ def test_each_sources_masks_score_its_rows_in_the_mixture(tmp_path):
     assert set(sums[ids < train.offsets[1]].tolist()) == {9.0}
     assert set(sums[ids >= train.offsets[1]].tolist()) == {7.0}
     assert data_lib.step_weight(train, 0, 64, 0) == got.sum()
+
+
+@pytest.mark.parametrize(
+    ("stages", "said"),
+    [
+        ("0:web=1+rare=1", "data.mixture_stages stage '0:web=1+rare=1': 'rare=1' is not NAME"),
+        ("0:web=1", "data.mixture_stages stage '0:web=1' gives no weight for code"),
+        ("0:web=1+code=1", "data.mixture's weights differ from data.mixture_stages' first"),
+        ("64:web=9+code=1", "data.mixture_stages must start at 0"),
+        ("0:web=9+code=1,1k:web=1+code=0", "data.mixture_stages stage '1k:web=1+code=0': "),
+    ],
+)
+def test_a_bad_stage_is_refused_in_one_line(dirs, stages, said):
+    config = load_config("llama_tiny")
+    apply_overrides(config, [*RUN[2:-1], _mix(dirs), f"data.mixture_stages={stages}"])
+    with pytest.raises(ConfigError) as caught:
+        check_values(config)
+    assert str(caught.value).startswith(said), caught.value
+
+
+def test_a_config_file_gives_the_mixture_as_a_dict(dirs, tmp_path):
+    """configs name the sources in a dict (field names cannot hold a path's dots)."""
+    (tmp_path / "mix.py").write_text(
+        "from jaxkit.config import load_config\n\n"
+        "def get_config():\n"
+        "    c = load_config('llama_tiny')\n"
+        "    c.data.source = 'tokens'\n"
+        "    c.data.path = None\n"
+        f"    c.data.mixture = {json.loads(_mix(dirs).split('=', 1)[1])!r}\n"
+        "    return c\n"
+    )
+    config = load_config(str(tmp_path / "mix.py"))
+    apply_overrides(config, RUN[2:-1])
+    check_values(config)
+    train, held_out = data_lib.make_sources(config)
+    assert train.names == held_out.names == ("code", "web")
