@@ -180,7 +180,14 @@ RESUMABLE_EVERYWHERE = {
 }
 # How a language model computes the same function: recomputation, the attention kernel,
 # the loss's chunks; and for a Llama the weights it started from (a resume reads its own).
-LM_RESUMABLE = {"model.remat", "model.attention", "model.loss_chunk_tokens"}
+# data.mixture_stages: a resume checks it against the checkpoint's position instead (a
+# stage the saved position read must not change; jaxkit/mixture.py stage_changes).
+LM_RESUMABLE = {
+    "model.remat",
+    "model.attention",
+    "model.loss_chunk_tokens",
+    "data.mixture_stages",
+}
 RESUMABLE = {
     "transformer": RESUMABLE_EVERYWHERE | LM_RESUMABLE,
     "llama": RESUMABLE_EVERYWHERE | LM_RESUMABLE | {"model.init_from"},
