@@ -1,0 +1,158 @@
+"""`jaxkit eval SOURCE --tasks T` (jaxkit/commands/evaluate.py, jaxkit/lm_eval_model.py):
+lm-evaluation-harness on a run's checkpoint, offline, with tasks of its own that read local
+files (tests/data/lm_eval); what the harness gets checked against the model's own numbers."""
+
+import json
+import sys
+
+import datasets.config
+import huggingface_hub.constants
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cli_run import jaxkit
+from flax import nnx
+from small_configs import SMALL_LM
+
+from jaxkit.checkpoint import restore_params
+from jaxkit.config import apply_overrides, load_config
+from jaxkit.train_step import _abstract_model
+
+TASKS = "tests/data/lm_eval"
+MAX_LENGTH = 16  # the byte LM's learned positions: data.seq_len
+UNTIL = (":", "\n")  # jaxkit_until.yaml's stop strings
+NEW = 6  # and its max_gen_toks
+# The harness's sums against a plain forward pass on one device: the same float32 logits
+# (each row's matmuls on one device, here in a batch of 64 rows, there of one), summed by
+# log_softmax here and by the loss code's logsumexp − logit there. Measured: at most 1.9e-6
+# apart on sums of 2 to 16 log-probabilities of about -5 each (a few float32 ulps of each
+# term, 16 terms); 1e-5 is 5 times that. A token scored too many or too few, or read at the
+# wrong position, moves a sum by a whole log-probability (≥ 1e-2 here).
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> str:
+    """test_eval's and test_sampling's byte LM (2 steps at SMALL_LM's size, rows of 16 bytes;
+    the same programs, read from the compilation cache)."""
+    workdir = tmp_path_factory.mktemp("lm_eval") / "run"
+    args = ["train", "lm_tiny", *SMALL_LM, "train.steps=2", "train.eval_every=0"]
+    done = jaxkit(*args, "--workdir", str(workdir), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    return str(workdir)
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """Nothing downloaded: the hub and datasets offline (also where either was imported
+    before the variables were set), datasets' cache in the test's directory."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+
+
+def _log_probs(workdir: str):
+    """log p of every byte given those before it (at most MAX_LENGTH of them), by a plain
+    forward pass of the checkpoint's model on one device."""
+    config = load_config("lm_tiny")
+    apply_overrides(config, [*SMALL_LM, "mesh.data=1"])
+    graphdef, _ = _abstract_model(config)
+    params, _ = restore_params(f"{workdir}/checkpoints", 2)
+    forward = jax.jit(lambda p, x: jax.nn.log_softmax(nnx.merge(graphdef, p)(x), axis=-1))
+
+    def score(ids: list[int], scored: int) -> tuple[float, bool]:
+        ids = ids[-(MAX_LENGTH + 1) :]  # the harness's left cut: MAX_LENGTH inputs
+        inputs, targets = ids[:-1], ids[len(ids) - scored :]
+        log_p = np.asarray(forward(params, jnp.asarray([inputs], jnp.int32)))[0]
+        rows = log_p[len(inputs) - scored :]
+        picked = rows[np.arange(scored), targets]
+        return float(picked.sum()), bool((rows.argmax(-1) == targets).all())
+
+    return score
+
+
+def test_the_harness_gets_the_models_log_probabilities_and_samples_greedy_text(
+    run, offline, tmp_path
+):
+    out = tmp_path / "results.json"
+    tasks = "jaxkit_choice,jaxkit_until,jaxkit_rolling"
+    done = jaxkit("eval", run, "--tasks", tasks, "--include-path", TASKS, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    table = [line.split("|") for line in done.stdout.splitlines() if line.startswith("|")]
+    assert table[0][1].strip() == "Tasks"  # the harness's table (lm_eval.utils.make_table)
+    assert {row[1].strip() for row in table[2:]} >= set(tasks.split(","))
+    results = json.loads(out.read_text())
+    assert set(results["results"]) == set(tasks.split(","))
+    score = _log_probs(run)
+
+    # Multiple choice: "question" + " " + each choice; contexts of 20 bytes are cut on the left.
+    choice = results["samples"]["jaxkit_choice"]
+    assert [len(doc["resps"]) for doc in choice] == [3, 3, 2]
+    for doc in choice:
+        for (context, continuation), ((logprob, greedy),) in zip(
+            doc["arguments"], doc["resps"], strict=True
+        ):
+            ids = list((context + continuation).encode())
+            expected, expected_greedy = score(ids, len(continuation.encode()))
+            assert float(logprob) == pytest.approx(expected, abs=ATOL)
+            assert greedy == expected_greedy
+    assert any(len(d["arguments"][0][0]) > MAX_LENGTH for d in choice)
+
+    # Rolling: each text after the prefix token (a newline for byte text), one window where it
+    # fits in MAX_LENGTH.
+    for doc in results["samples"]["jaxkit_rolling"]:
+        text = doc["arguments"][0][0].encode()
+        if len(text) <= MAX_LENGTH:
+            expected, _ = score([10, *text], len(text))
+            assert float(doc["resps"][0][0]) == pytest.approx(expected, abs=ATOL)
+
+    # Generation: `jaxkit sample`'s greedy text from the context cut to MAX_LENGTH - NEW bytes
+    # (10 of them), cut at the first stop string.
+    until = results["samples"]["jaxkit_until"]
+    for doc in until:
+        prompt = doc["arguments"][0][0].encode()[-(MAX_LENGTH - NEW) :]
+        sampled = jaxkit(
+            "sample", run, "--prompt", prompt.decode(), "--temperature", "0",
+            "--max-new-tokens", str(NEW), "--json",
+        )  # fmt: skip
+        assert sampled.returncode == 0, sampled.stderr
+        text = json.loads(sampled.stdout)["text"]
+        for stop in UNTIL:
+            text = text.split(stop)[0]
+        assert doc["resps"] == [[text]]
+    assert any(len(d["arguments"][0][0]) > MAX_LENGTH - NEW for d in until)
+
+
+def test_tasks_are_refused_in_one_line_without_the_extra_and_where_they_do_not_apply(
+    run, monkeypatch
+):
+    cases = {
+        ("--tasks", "jaxkit_choice", "--json"): "--json applies to the held-out loss",
+        ("--limit", "3"): "--limit applies with --tasks only",
+        ("--tasks", "a,,b"): "task names separated by commas",
+        ("--tasks", "jaxkit_choice", "--include-path", "nowhere"): "not a directory",
+    }
+    for args, expected in cases.items():
+        done = jaxkit("eval", run, *args)
+        assert done.returncode == 2 and expected in done.stderr, done.stderr
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now fails
+    done = jaxkit("eval", run, "--tasks", "hellaswag")
+    assert done.returncode == 2
+    assert done.stderr == (
+        "jaxkit: error: --tasks runs lm-evaluation-harness, which is not installed: "
+        "pip install 'jaxkit[eval]'\n"
+    )
+
+
+def test_an_unknown_task_is_refused_in_one_line_before_the_model_loads(run):
+    args = ("--tasks", "jaxkit_choice,no_such_task", "--include-path", TASKS)
+    done = jaxkit("eval", run, *args)
+    assert done.returncode == 2
+    assert done.stderr == (
+        "jaxkit: error: --tasks: no_such_task is not among lm-evaluation-harness's tasks "
+        "(nor --include-path's)\n"
+    )
