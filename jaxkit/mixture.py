@@ -306,20 +306,21 @@ class Order:
     def examples(self, first: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, k) of global examples [first, first + count): the k-th row of that
         source's own stream."""
-        index = np.arange(first, first + count)
         source = np.empty(count, dtype=np.int64)
         k = np.empty(count, dtype=np.int64)
-        for block in range(first // BLOCK, -(-(first + count) // BLOCK)):
+        start = first // BLOCK
+        before = self.given_before(start)  # then carried block to block
+        for block in range(start, -(-(first + count) // BLOCK)):
             places = self.block_sources(block, seed)
-            before = self.given_before(block)
-            rank = np.empty(BLOCK, dtype=np.int64)  # how many earlier places share a source
-            for s in range(self.sources):
-                here = places == s
-                rank[here] = np.arange(int(here.sum()))
-            at = (index // BLOCK) == block
-            place = index[at] % BLOCK
-            source[at] = places[place]
-            k[at] = before[places[place]] + rank[place]
+            # each place's rank among its source's places in the block
+            order = np.argsort(places, kind="stable")
+            rank = np.empty(BLOCK, dtype=np.int64)
+            rank[order] = np.arange(BLOCK) - np.searchsorted(places[order], places[order])
+            lo, hi = max(first, block * BLOCK), min(first + count, (block + 1) * BLOCK)
+            place = np.arange(lo, hi) - block * BLOCK
+            source[lo - first : hi - first] = places[place]
+            k[lo - first : hi - first] = before[places[place]] + rank[place]
+            before = before + np.bincount(places, minlength=self.sources)
         return source, k
 
     def given(self, examples: int, seed: int) -> np.ndarray:
