@@ -359,6 +359,11 @@ class MixtureRows:
         self.fingerprint: dict[str, Any] = {
             "mixture": {name: getattr(part, "fingerprint", None) for name, part in own}
         }
+        # The ids every source shares, where sample and export look for them.
+        for key in ("eod_id", "bos_id"):
+            said = {(fp or {}).get(key) for fp in self.fingerprint["mixture"].values()}
+            if len(said) == 1 and None not in said:
+                self.fingerprint[key] = said.pop()
         # The stages, which a resume compares only up to its position (stage_changes).
         self.stages: list[dict] | None = None
         if self.order is not None:

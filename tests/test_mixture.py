@@ -251,6 +251,7 @@ def test_a_resume_on_other_tokens_names_the_source_that_changed(dirs, tmp_path):
     write_prepared(tmp_path / "code", {"train": code, "eval": code[:3]}, vocab_size=64, eod_id=1)
     saved = data_lib.data_facts(*_sources(dirs))
     changed = data_lib.data_facts(*_sources(tmp_path))
+    assert saved["fingerprint"]["eod_id"] == 1  # shared: sample and export read it here
     lines = data_changes(saved, changed)
     assert lines and all(line.startswith("  mixture.code.") for line in lines), lines
     assert any("mixture.code.shard_digest" in line for line in lines), lines
