@@ -207,3 +207,31 @@ def test_a_wheel_holds_every_package_under_jaxkit():
         for init in (root / "jaxkit").rglob("__init__.py")
     }
     assert found <= listed, sorted(found - listed)
+
+
+def _third_party_imports(path: pathlib.Path) -> set[str]:
+    """The top-level names of every package a module imports, anywhere in its body."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_lm_eval_is_imported_by_the_harness_model_and_inside_eval_tasks_only():
+    # lm-evaluation-harness is an extra (`jaxkit[eval]`): the kit works without it, and
+    # `jaxkit eval --tasks` (commands/evaluate.py, inside a function) says in one line how
+    # to install it. The model class it drives is imported there only.
+    modules = _module_names()
+    importers = {name for name, path in modules.items() if "lm_eval" in _third_party_imports(path)}
+    assert importers == {"jaxkit.lm_eval_model", "jaxkit.commands.evaluate"}
+    graph = import_graph()
+    users = {name for name, imported in graph.items() if "jaxkit.lm_eval_model" in imported}
+    assert users == {"jaxkit.commands.evaluate"}
+    top_level = ast.parse(modules["jaxkit.commands.evaluate"].read_text()).body
+    assert not any(
+        isinstance(node, ast.Import | ast.ImportFrom) and "lm_eval" in ast.unparse(node)
+        for node in top_level
+    )
