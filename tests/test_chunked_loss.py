@@ -14,8 +14,8 @@ from jaxkit import mesh as mesh_lib
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.loop import train
-from jaxkit.models import build_model, eval_sums, model_loss
-from jaxkit.models.loss import chunking
+from jaxkit.models import build_model, eval_sums, model_loss, token_cross_entropy
+from jaxkit.models.loss import chunking, row_sums
 from jaxkit.train_step import on_mesh
 from jaxkit.validate import validate
 from tests.small_configs import SMALL_LM
@@ -127,6 +127,28 @@ def test_chunked_eval_sums_match_the_whole_logits(family):
     assert float(chunked["accuracy_sum"]) == float(whole["accuracy_sum"])
     np.testing.assert_allclose(chunked["loss_sum"], whole["loss_sum"], rtol=RTOL)
     assert float(chunked["weight"]) == float(whole["weight"])
+
+
+def test_each_rows_sums_chunked_on_a_mesh_match_the_whole_logits():
+    """row_sums (lm-evaluation-harness's scores, jaxkit/lm_eval_model.py): each row's sums
+    apart, chunked on a data × fsdp mesh (each device's rows in a shard_map of their own),
+    against each row's Σ weight × cross-entropy of the whole logits."""
+    batch = a_batch(packed=False)
+    graphdef, params = model_and_params("transformer", 0)
+    logits = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, batch["inputs"])
+    w = batch["weights"]
+    loss = np.sum(w * token_cross_entropy(logits, batch["targets"]), -1)
+    hits = np.sum(w * (np.argmax(logits, -1) == batch["targets"]), -1)
+    graphdef, _ = model_and_params("transformer", 7)
+    mesh = mesh_lib.make_mesh({"data": 4, "fsdp": 2, "tensor": 1}, jax.devices())
+    sums = jax.jit(on_mesh(lambda p, b: row_sums(nnx.merge(graphdef, p), b), mesh))(
+        jax.device_put(params, mesh_lib.replicated(mesh)),
+        jax.device_put(batch, mesh_lib.batch_sharding(mesh)),
+    )
+    assert sums["loss_sum"].shape == (ROWS,)
+    np.testing.assert_allclose(sums["loss_sum"], loss, rtol=RTOL)
+    np.testing.assert_array_equal(sums["accuracy_sum"], hits)
+    np.testing.assert_array_equal(sums["weight"], jnp.sum(w, -1))
 
 
 def test_the_chunked_step_holds_fewer_temporaries_where_the_vocabulary_is_large():
