@@ -61,7 +61,6 @@ from jaxkit.train_step import on_mesh
 DEVICE_TOKENS = 8192  # a scoring batch's tokens per device (its rows × its length bucket)
 MAX_GEN_TOKS = 256  # new tokens where a task does not say (the harness's own default)
 HF_MAX_LENGTH = 2048  # an hf:DIR whose config.json gives no max_position_embeddings
-NEWLINE = 10  # byte text's stand-in for a document start: it has none of its own
 
 Request = tuple[Any, list[int], list[int]]  # (the strings, context ids, continuation ids)
 
@@ -123,12 +122,13 @@ class JaxkitLM(TemplateLM):
     @property
     def prefix_token_id(self) -> int:
         """What the first token of a text without context is predicted from: the data's (or
-        DIR's) beginning of sequence, else its end of text, else (bytes) a newline."""
+        DIR's) beginning of sequence, else its end of text, else (byte text has neither) a
+        newline."""
         hf = self._hf_config()
         for found in (self.text.bos_id, hf.get("bos_token_id"), *self.eos_ids):
             if isinstance(found, int) and not isinstance(found, bool):
                 return found
-        return NEWLINE
+        return (self.text.encode("\n", start=False) or [0])[0]
 
     @property
     def max_length(self) -> int:
