@@ -637,3 +637,44 @@ def test_a_resumed_run_says_its_steps_apart_and_a_rebuilt_summary_knows_no_timin
     for key in (*unknown, "median_step_time_s"):
         assert rebuilt[key] is None, key
     assert rebuilt["final_loss"] == summary["final_loss"]
+
+
+def test_small_replicated_arrays_are_saved_whole_without_compiling_a_slice_each(tmp_path):
+    """Orbax would share a replicated array's save over its 8 replicas with one compiled
+    slicing program per array and device; arrays of under a MiB per slice are written
+    whole by one replica (nothing is lowered during the save), and read back the same."""
+    import orbax.checkpoint as ocp
+
+    from jaxkit.checkpoint import REPLICA_PARALLEL_MIN_BYTES, _manager
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # Shapes of their own, so that no earlier test compiled their slices in this process.
+    tree = {
+        "w": jax.device_put(np.arange(8 * 24, dtype=np.float32).reshape(8, 24), replicated),
+        "b": jax.device_put(np.arange(40, dtype=np.float32), replicated),
+    }
+    assert REPLICA_PARALLEL_MIN_BYTES > 8 * 24 * 4  # the premise: these slices are small
+    manager = _manager(tmp_path, create=True)
+    lowered = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(tree)))
+        manager.wait_until_finished()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == []  # orbax's own handler lowers a slicing program per array and device
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
+    restored = manager.restore(
+        1, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    ).state
+    manager.close()
+    for name, array in tree.items():
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(array))
