@@ -127,8 +127,12 @@ def test_the_harness_gets_the_models_log_probabilities_and_samples_greedy_text(
     assert any(len(d["arguments"][0][0]) > MAX_LENGTH - NEW for d in until)
 
 
+# Refusals come before any work: the SOURCE is never opened (there is none).
+NO_RUN = "runs/none"
+
+
 def test_tasks_are_refused_in_one_line_without_the_extra_and_where_they_do_not_apply(
-    run, monkeypatch
+    monkeypatch,
 ):
     cases = {
         ("--tasks", "jaxkit_choice", "--json"): "--json applies to the held-out loss",
@@ -137,10 +141,10 @@ def test_tasks_are_refused_in_one_line_without_the_extra_and_where_they_do_not_a
         ("--tasks", "jaxkit_choice", "--include-path", "nowhere"): "not a directory",
     }
     for args, expected in cases.items():
-        done = jaxkit("eval", run, *args)
+        done = jaxkit("eval", NO_RUN, *args)
         assert done.returncode == 2 and expected in done.stderr, done.stderr
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now fails
-    done = jaxkit("eval", run, "--tasks", "hellaswag")
+    done = jaxkit("eval", NO_RUN, "--tasks", "hellaswag")
     assert done.returncode == 2
     assert done.stderr == (
         "jaxkit: error: --tasks runs lm-evaluation-harness, which is not installed: "
@@ -148,7 +152,7 @@ def test_tasks_are_refused_in_one_line_without_the_extra_and_where_they_do_not_a
     )
 
 
-def test_an_unknown_task_is_refused_in_one_line_before_the_model_loads(run, monkeypatch):
+def test_an_unknown_task_is_refused_in_one_line_before_the_model_loads(monkeypatch):
     # A name not in --include-path is looked for in the harness's own index too, which takes
     # 15 CPU-s to read (some 14,000 YAML files): left out here, the refusal is the same.
     import lm_eval.tasks
@@ -162,7 +166,7 @@ def test_an_unknown_task_is_refused_in_one_line_before_the_model_loads(run, monk
         ),
     )
     args = ("--tasks", "jaxkit_choice,no_such_task", "--include-path", TASKS)
-    done = jaxkit("eval", run, *args)
+    done = jaxkit("eval", NO_RUN, *args)
     assert done.returncode == 2
     assert done.stderr == (
         "jaxkit: error: --tasks: no_such_task is not among lm-evaluation-harness's tasks "
