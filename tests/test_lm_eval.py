@@ -3,6 +3,7 @@ lm-evaluation-harness on a run's checkpoint, offline, with tasks of its own that
 files (tests/data/lm_eval); what the harness gets checked against the model's own numbers."""
 
 import json
+import pathlib
 import sys
 
 import datasets.config
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cli_run import jaxkit
+from cli_run import ROOT, jaxkit
 from flax import nnx
 from small_configs import SMALL_LM
 
@@ -125,6 +126,20 @@ def test_the_harness_gets_the_models_log_probabilities_and_samples_greedy_text(
             text = text.split(stop)[0]
         assert doc["resps"] == [[text]]
     assert any(len(d["arguments"][0][0]) > MAX_LENGTH - NEW for d in until)
+
+    # A task asking for as many new tokens as the model takes leaves no room for a context.
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    yaml = (pathlib.Path(ROOT) / TASKS / "jaxkit_until.yaml").read_text()
+    yaml = yaml.replace("task: jaxkit_until", "task: jaxkit_too_long")
+    yaml = yaml.replace(f"max_gen_toks: {NEW}", f"max_gen_toks: {MAX_LENGTH}")
+    (tasks / "too_long.yaml").write_text(yaml.replace("tests/", f"{ROOT}/tests/"))
+    done = jaxkit("eval", run, "--tasks", "jaxkit_too_long", "--include-path", str(tasks))
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        f"jaxkit: error: a task asks for {MAX_LENGTH} new tokens (max_gen_toks): the model "
+        f"takes {MAX_LENGTH} (max_length), context included"
+    )
 
 
 # Refusals come before any work: the SOURCE is never opened (there is none).
