@@ -154,6 +154,7 @@ def test_tasks_are_refused_in_one_line_without_the_extra_and_where_they_do_not_a
         ("--limit", "3"): "--limit applies with --tasks only",
         ("--tasks", "a,,b"): "task names separated by commas",
         ("--tasks", "jaxkit_choice", "--include-path", "nowhere"): "not a directory",
+        ("--tasks", "jaxkit_choice", "--out", "tests"): "--out tests: a directory",
     }
     for args, expected in cases.items():
         done = jaxkit("eval", NO_RUN, *args)

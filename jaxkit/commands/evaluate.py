@@ -173,6 +173,8 @@ def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bo
         if opts.include_path is not None and not pathlib.Path(opts.include_path).is_dir():
             raise common.UsageError(f"--include-path {opts.include_path}: not a directory")
         if opts.out is not None:
+            if pathlib.Path(opts.out).is_dir():
+                raise common.UsageError(f"--out {opts.out}: a directory; name a file")
             common.check_can_write(str(pathlib.Path(opts.out).parent), "--out")
         tasks = _task_manager(opts.tasks, opts.include_path)
         # Before anything reads a checkpoint: the device count is fixed when JAX starts.
