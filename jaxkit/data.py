@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxkit import mixture
 from jaxkit.batch_plan import BatchPlan
 from jaxkit.batch_schedule import Position as Position  # re-exported for the loop
 from jaxkit.config import ConfigError, is_lm
@@ -218,7 +219,7 @@ def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]
     """data.mixture's sources, each opened and checked as data.path's one is, then checked
     against each other (one tokenizer, one token dtype), as one train and one held-out
     Source (jaxkit/mixture.py)."""
-    from jaxkit import mixture, token_files
+    from jaxkit import token_files
     from jaxkit import tokenizer as tokenizer_lib
 
     d = config.data
@@ -270,8 +271,8 @@ def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]
     note, record = "\n".join(notes) or None, said["record"][1]
     order = mixture.Order(stages)
     return (
-        mixture.MixtureRows(tuple(names), tuple(trains), order, note, record),
-        mixture.MixtureRows(tuple(names), tuple(helds)),
+        MixtureRows(tuple(names), tuple(trains), order, note, record),
+        MixtureRows(tuple(names), tuple(helds)),
     )
 
 
@@ -413,9 +414,100 @@ def stream_rows(first_example: int, count: int, num_rows: int, seed: int) -> np.
     return rows_of_examples(np.arange(first_example, first_example + count), num_rows, seed)
 
 
+@dataclasses.dataclass
+class MixtureRows:
+    """Several sources' rows as one Source: ids [offset_s, offset_s + len_s) are source s's.
+
+    With an `order` (the training split) the loader asks `stream_rows` for the ids of
+    global examples; without one (held-out splits) each source is evaluated on its own
+    (`parts`)."""
+
+    names: tuple[str, ...]
+    parts: tuple[Any, ...]  # each a data.Source (token_files.TokenRows)
+    order: mixture.Order | None = None
+    note: str | None = None
+    tokenizer: dict | None = None
+
+    def __post_init__(self) -> None:
+        self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
+        own = zip(self.names, self.parts, strict=True)
+        # Every source's tokens: a resume on other sources is refused naming the one changed.
+        self.fingerprint: dict[str, Any] = {
+            "mixture": {name: getattr(part, "fingerprint", None) for name, part in own}
+        }
+        # The ids every source shares, where sample and export look for them.
+        for key in ("eod_id", "bos_id"):
+            said = {(fp or {}).get(key) for fp in self.fingerprint["mixture"].values()}
+            if len(said) == 1 and None not in said:
+                self.fingerprint[key] = said.pop()
+        # The stages, which a resume compares only up to its position (stage_changes).
+        self.stages: list[dict] | None = None
+        if self.order is not None:
+            self.stages = [
+                {
+                    "start": stage.start,
+                    "weights": dict(zip(self.names, map(str, stage.weights), strict=True)),
+                }
+                for stage in self.order.stages
+            ]
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def stream_rows(self, first: int, count: int, seed: int) -> np.ndarray:
+        assert self.order is not None
+        source, k = self.order.examples(first, count, seed)
+        ids = np.empty(count, dtype=np.int64)
+        for s, name in enumerate(self.names):
+            here = source == s
+            if here.any():
+                own = rows_of_examples(k[here], len(self.parts[s]), mixture.source_seed(seed, name))
+                ids[here] = self.offsets[s] + own
+        return ids
+
+    def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        source = np.searchsorted(self.offsets, ids, side="right") - 1
+        return [(s, source == s) for s in range(len(self.parts)) if (source == s).any()]
+
+    def __getitem__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        pieces = [
+            (here, self.parts[s][ids[here] - self.offsets[s]]) for s, here in self._split(ids)
+        ]
+        weighted = any("weights" in rows for _, rows in pieces)
+        out: dict[str, np.ndarray] = {}
+        for here, rows in pieces:
+            if weighted and "weights" not in rows:
+                rows["weights"] = np.ones(rows["targets"].shape, dtype=np.float32)
+            for key, value in rows.items():
+                if key not in out:
+                    out[key] = np.empty((len(ids), *value.shape[1:]), dtype=value.dtype)
+                out[key][here] = value
+        return out
+
+    def row_weight_sums(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.empty(len(ids), dtype=np.float64)
+        for s, here in self._split(ids):
+            out[here] = row_weight_sums(self.parts[s], ids[here] - self.offsets[s])
+        return out
+
+    def by_source(self, examples: int, seed: int) -> dict[str, dict]:
+        """examples_by_source and epochs_by_source after global examples [0, examples)."""
+        assert self.order is not None
+        given = self.order.given(examples, seed)
+        return {
+            "examples_by_source": {n: int(g) for n, g in zip(self.names, given, strict=True)},
+            "epochs_by_source": {
+                n: int(g) / len(p) for n, g, p in zip(self.names, given, self.parts, strict=True)
+            },
+        }
+
+
 def source_rows(source: Source, first_example: int, count: int, seed: int) -> np.ndarray:
     """The rows of `source` that stream examples [first_example, first_example + count)
-    are: a mixture's own order (jaxkit/mixture.py), else stream_rows over its rows."""
+    are: a mixture's own order (MixtureRows), else stream_rows over its rows."""
     own = getattr(source, "stream_rows", None)
     if own is not None:
         return np.asarray(own(first_example, count, seed))
