@@ -12,7 +12,7 @@ a permutation per epoch, the next epoch starting where one runs out).
 
 Global row i is then a function of the seed, the stages starting at or before i, and i:
 every split of a global batch, every device count, a batch ramp and a resume read the
-same rows (the loader asks `MixtureRows.stream_rows`, as it asks data.stream_rows of one
+same rows (the loader asks `data.MixtureRows.stream_rows`, as it asks data.stream_rows of one
 source).
 """
 
