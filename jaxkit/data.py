@@ -233,6 +233,7 @@ def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]
     trains, helds, notes = [], [], []
     said: dict[str, tuple[str, Any]] = {}
     foreign: list[str] = []
+    read_by: dict[str, tuple[str, tuple]] = {}  # each token file: (source, its whole reading)
     for name in names:
         path, label = value[name]["path"], f"data.mixture.{name}.path={value[name]['path']!r}"
         try:
@@ -263,6 +264,7 @@ def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]
             raise DataError(f"data.mixture.{name}: the {split} split is empty; give more data")
         record = tokenizer_lib.record(facts)
         said.setdefault("record", (name, record))
+        _check_shared_files(name, facts, read_by)
     if foreign:
         notes.append(
             f"data.mixture: {', '.join(foreign)} are token files that name no tokenizer: make "
@@ -274,6 +276,25 @@ def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]
         MixtureRows(tuple(names), tuple(trains), order, note, record),
         MixtureRows(tuple(names), tuple(helds)),
     )
+
+
+def _check_shared_files(name: str, facts: dict, read_by: dict[str, tuple[str, tuple]]) -> None:
+    """Refuses a source that reads a token file another source reads split otherwise: each
+    holds out its own tail (or nanoGPT's val.bin), so one would train on rows the other
+    holds out. The same files read the same way (one path under two names) split alike."""
+    files = tuple(
+        os.path.realpath(os.path.expanduser(f)) if is_local(f) else f
+        for f in facts.get("files") or ()
+    )
+    reading = (facts.get("layout"), files)
+    for file in files:
+        other, theirs = read_by.setdefault(file, (name, reading))
+        if theirs != reading:
+            raise DataError(
+                f"data.mixture.{name} reads {file}, which data.mixture.{other} reads with "
+                "other files or another layout: one would train on rows the other holds out; "
+                "give each token file to one source (or the same path to both)"
+            )
 
 
 def _check_tokenizer(
