@@ -809,7 +809,16 @@ def check_train_weight(source: Source, chunk_rows: int = 4096) -> None:
 
 def check_eval_weight(source: Source, eval_examples: int) -> None:
     """Fails before training when the held-out rows an eval reads score no target at all
-    (prompts only, say): their weighted mean loss would be 0 / 0."""
+    (prompts only, say): their weighted mean loss would be 0 / 0. A mixture's sources are
+    each evaluated on their own (MixtureRows.parts), so each is checked, and named."""
+    parts = getattr(source, "parts", None)
+    if parts is not None:
+        for name, part in zip(source.names, parts, strict=True):  # type: ignore[attr-defined]
+            try:
+                check_eval_weight(part, eval_examples)
+            except DataError as e:
+                raise DataError(f"data.mixture.{name}: {e}") from None
+        return
     rows = np.arange(eval_row_count(source, eval_examples))
     if row_weight_sums(source, rows).sum() <= 0:
         raise DataError(

@@ -1,10 +1,12 @@
-"""data.mixture's sources as users give them: token files that two sources share."""
+"""data.mixture's sources as users give them: token files that two sources share, a
+source whose held-out rows score nothing."""
 
 import json
 
 import numpy as np
 import pytest
 from cli_run import jaxkit
+from token_dirs import write_prepared
 
 RUN = [
     "train", "lm_tiny", "model.num_layers=1", "model.d_model=32", "model.num_heads=2",
@@ -54,3 +56,27 @@ def test_one_path_under_two_names_trains(nanogpt, tmp_path):
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["examples_by_source"] == {"code": 16, "web": 16}
+
+
+def test_a_source_whose_held_out_rows_score_nothing_is_refused_before_training(tmp_path):
+    """Each source is evaluated on its own: one whose held-out rows an eval reads are all
+    prompt (weight 0) is refused before any step, naming it, even where another source's
+    held-out rows, first in the mixture's ids, score targets."""
+    rng = np.random.default_rng(0)
+    plain = [([], rng.integers(2, 64, 40).tolist()) for _ in range(20)]
+    # prompts of 40 tokens: the first held-out window of 16 is all prompt
+    asked = [(rng.integers(2, 64, 40).tolist(), [5]) for _ in range(20)]
+    write_prepared(tmp_path / "plain", {"train": plain, "eval": plain[:2]}, vocab_size=64, eod_id=1)
+    write_prepared(tmp_path / "qa", {"train": asked, "eval": asked[:2]}, vocab_size=64, eod_id=1)
+    done = jaxkit(
+        *RUN,
+        "train.eval_examples=1",
+        _mix(plain=tmp_path / "plain", qa=tmp_path / "qa"),
+        "--workdir",
+        str(tmp_path / "run"),
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    said = "data.mixture.qa: the 1 held-out rows an eval reads score no target"
+    assert said in done.stderr, done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
