@@ -796,7 +796,17 @@ def check_sources(train_source: Source, plan: BatchPlan) -> None:
 def check_train_weight(source: Source, chunk_rows: int = 4096) -> None:
     """Fails before training when no training row scores a target (every prompt longer than
     data.seq_len, say): every step's loss would be 0 / 0. Reads rows a chunk at a time and
-    stops at the first scored one, so data that scores anything costs one chunk."""
+    stops at the first scored one, so data that scores anything costs one chunk. A
+    mixture's sources are each checked, and named: one that scores nothing would take its
+    share of every batch and train on none of it."""
+    parts = getattr(source, "parts", None)
+    if parts is not None:
+        for name, part in zip(source.names, parts, strict=True):  # type: ignore[attr-defined]
+            try:
+                check_train_weight(part, chunk_rows)
+            except DataError as e:
+                raise DataError(f"data.mixture.{name}: {e}") from None
+        return
     n = len(source)
     for start in range(0, n, chunk_rows):
         if row_weight_sums(source, np.arange(start, min(start + chunk_rows, n))).sum() > 0:

@@ -1,5 +1,5 @@
 """data.mixture's sources as users give them: token files that two sources share, a
-source whose held-out rows score nothing."""
+source whose training or held-out rows score nothing."""
 
 import json
 
@@ -78,5 +78,28 @@ def test_a_source_whose_held_out_rows_score_nothing_is_refused_before_training(t
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     said = "data.mixture.qa: the 1 held-out rows an eval reads score no target"
+    assert said in done.stderr, done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_source_whose_training_rows_score_nothing_is_refused(tmp_path):
+    """Alone, a source whose training rows score no target is refused; in a mixture it
+    would take its share of every batch and train on none of it: refused too, named."""
+    rng = np.random.default_rng(1)
+    plain = [([], rng.integers(2, 64, 40).tolist()) for _ in range(20)]
+    # prompts of 40 tokens at seq_len 16, documents cut at seq_len + 1: nothing scored
+    asked = [(rng.integers(2, 64, 40).tolist(), [5]) for _ in range(20)]
+    write_prepared(tmp_path / "plain", {"train": plain, "eval": plain[:2]}, vocab_size=64, eod_id=1)
+    write_prepared(tmp_path / "qa", {"train": asked, "eval": plain[:2]}, vocab_size=64, eod_id=1)
+    done = jaxkit(
+        *RUN,
+        "data.rows=documents",
+        _mix(plain=tmp_path / "plain", qa=tmp_path / "qa"),
+        "--workdir",
+        str(tmp_path / "run"),
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    said = "data.mixture.qa: the 20 training rows score no target"
     assert said in done.stderr, done.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
