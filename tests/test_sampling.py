@@ -204,6 +204,27 @@ def test_sample_prints_a_json_object_per_sample_from_a_runs_checkpoint(trained_r
     assert done.stdout == expected
 
 
+def test_a_prompts_file_is_cut_into_prompts_at_newlines_only(trained_run, tmp_path):
+    """A .txt's prompts and a .jsonl's JSON strings may hold a lone carriage return, a form
+    feed, U+0085 or U+2028 raw: each line, ended by "\n" or "\r\n", is one prompt (a BOM
+    none of its text)."""
+    held = ["a\rb", "c\x0cd", "e\x85f", "g\u2028h"]
+    (tmp_path / "p.txt").write_bytes(("\ufeff" + "\r\n".join(held) + "\n").encode())
+    (tmp_path / "p.jsonl").write_text(
+        "".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in held),
+        encoding="utf-8",
+        newline="",
+    )
+    for name in ("p.txt", "p.jsonl"):
+        done = jaxkit(
+            "sample", trained_run, "--prompts", str(tmp_path / name),
+            "--max-new-tokens", "1", "--temperature", "0", "--json",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.split("\n")[:-1]  # the JSON strings hold those characters raw
+        assert [json.loads(line)["prompt"] for line in lines] == held, name
+
+
 def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run, tmp_path):
     """The byte LM's learned positions end at data.seq_len=16, prompt included; a sample
     changes no model key."""

@@ -111,11 +111,15 @@ def read_prompts(opts: argparse.Namespace) -> list[str]:
     if opts.prompts is not None:
         path = pathlib.Path(opts.prompts)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = path.read_bytes().decode("utf-8-sig")  # a BOM is no prompt's text
         except (OSError, UnicodeDecodeError) as err:
             raise common.UsageError(f"--prompts {path}: cannot be read ({err})") from None
+        # Lines end at "\n" (or "\r\n") only: str.splitlines and text mode's newlines
+        # would also cut a prompt at a lone "\r", a form feed, U+0085 or U+2028, which a .txt
+        # prompt or a JSON string may hold raw.
+        lines = [line.removesuffix("\r") for line in text.split("\n")]
         if path.suffix == ".jsonl":
-            for number, line in enumerate(text.splitlines(), 1):
+            for number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 try:
@@ -128,7 +132,7 @@ def read_prompts(opts: argparse.Namespace) -> list[str]:
                     )
                 prompts.append(prompt)
         elif path.suffix == ".txt":
-            prompts += [line for line in text.splitlines() if line]
+            prompts += [line for line in lines if line]
         else:
             raise common.UsageError(
                 f'--prompts {path}: a .jsonl of {{"prompt": ...}} or a .txt of one prompt a line'
