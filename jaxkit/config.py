@@ -408,6 +408,17 @@ def flat_keys(config: ml_collections.ConfigDict) -> list[str]:
     return list(flatten(config))
 
 
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once: json.loads keeps the last of two, so
+    `{"web": ..., "web": ...}` would drop the first without a word."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"the JSON object gives {key!r} twice: give each key once")
+        out[key] = value
+    return out
+
+
 def parse_value(text: str) -> bool | int | float | str | dict | None:
     """Parses an override value: null, bool, int, float, a JSON object (a dict-valued key such
     as model.rope_scaling), else the string itself."""
@@ -415,7 +426,7 @@ def parse_value(text: str) -> bool | int | float | str | dict | None:
         return None
     if text.lstrip().startswith("{"):
         try:
-            value = json.loads(text)
+            value = json.loads(text, object_pairs_hook=_once_each)
         except json.JSONDecodeError as err:
             where = f"{err.msg} at character {err.pos}"
             raise ConfigError(f"{text!r} is not valid JSON: {where}") from None

@@ -44,12 +44,10 @@ class Stage:
 
 
 def _weight(name: str, value: object) -> Fraction:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"data.mixture.{name}.weight={show(value)}: must be a number > 0")
-    weight = Fraction(str(value)) if isinstance(value, float) else Fraction(value)
-    if not weight > 0:  # NaN compares false too
-        raise ConfigError(f"data.mixture.{name}.weight={show(value)}: must be a number > 0")
-    return weight
+    infinity = float("inf")  # NaN fails 0 < value too
+    if not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < infinity:
+        return Fraction(str(value)) if isinstance(value, float) else Fraction(value)
+    raise ConfigError(f"data.mixture.{name}.weight={show(value)}: must be a number > 0 and finite")
 
 
 def sources_of(value: Mapping[str, Any]) -> dict[str, dict]:
@@ -179,7 +177,8 @@ def parse_stages(text: str, names: Sequence[str], seq_len: int | None) -> list[S
         start = -(-start // BLOCK) * BLOCK  # the next block start
         weights: dict[str, Fraction] = {}
         for part in spec.split("+"):
-            name, equals, number_text = part.strip().partition("=")
+            name, equals, number_text = part.partition("=")
+            name = name.strip()
             if not equals or name not in names:
                 raise ConfigError(
                     f"data.mixture_stages stage {said!r}: {part.strip()!r} is not NAME=WEIGHT "
@@ -189,10 +188,10 @@ def parse_stages(text: str, names: Sequence[str], seq_len: int | None) -> list[S
                 weight = float(number_text)
             except ValueError:
                 weight = float("nan")
-            if name in weights or not weight > 0:
+            if name in weights or not 0 < weight < float("inf"):
                 raise ConfigError(
-                    f"data.mixture_stages stage {said!r}: {part.strip()!r} needs a weight > 0, "
-                    "once per source"
+                    f"data.mixture_stages stage {said!r}: {part.strip()!r} needs a finite "
+                    "weight > 0, once per source"
                 )
             weights[name] = Fraction(number_text.strip())
         missing = [n for n in names if n not in weights]

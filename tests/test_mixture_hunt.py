@@ -103,3 +103,35 @@ def test_a_source_whose_training_rows_score_nothing_is_refused(tmp_path):
     said = "data.mixture.qa: the 20 training rows score no target"
     assert said in done.stderr, done.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        # json.loads keeps the last of two keys: web's first source was dropped unsaid
+        (
+            '{"web": {"path": "a", "weight": 0.5}, "web": {"path": "b", "weight": 0.5}}',
+            "data.mixture=the JSON object gives 'web' twice",
+        ),
+        ('{"web": {"path": "a", "weight": Infinity}}', "data.mixture.web.weight=inf: must be"),
+    ],
+)
+def test_a_source_given_twice_or_an_infinite_weight_is_refused(tmp_path, value, said):
+    done = jaxkit(*RUN, "data.mixture=" + value, "--workdir", str(tmp_path / "run"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert said in done.stderr, done.stderr
+
+
+def test_stages_take_spaces_around_equals_and_refuse_an_infinite_weight(nanogpt, tmp_path):
+    mix = _mix(web=nanogpt / "train.bin", code=nanogpt / "val.bin")
+    spaced = "data.mixture_stages=0: web = 1 + code = 1 , 32:web=3+code=1"
+    done = jaxkit(*RUN, "train.steps=2", mix, spaced, "--workdir", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["examples_by_source"] == {"code": 16 + 8, "web": 16 + 24}
+    infinite = "data.mixture_stages=0:web=1+code=inf"
+    done = jaxkit(*RUN, mix, infinite, "--workdir", str(tmp_path / "inf"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "'code=inf' needs a finite weight > 0" in done.stderr, done.stderr
