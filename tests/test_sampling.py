@@ -286,6 +286,29 @@ def test_greedy_from_an_hf_dir_gives_the_flax_llamas_greedy_tokens(tmp_path, tie
     assert sampled == row[0, len(prompt) :].tolist()
 
 
+def test_an_hf_dirs_sentencepiece_style_text_reads_on_from_the_prompt(tmp_path):
+    """A Metaspace decoder (Llama 2's, Mistral's) reads "▁w5" as "w5" at a text's start and
+    " w5" after another word: the text printed after the prompt keeps its space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    hf_config = {"model_type": "llama", **HF_SHAPE, "tie_word_embeddings": False}
+    path = write_hf_dir(tmp_path / "hf", hf_config, random_tensors(jaxkit_config(hf_config), 3))
+    words = {f"\N{LOWER ONE EIGHTH BLOCK}w{i}": i for i in range(HF_SHAPE["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="\N{LOWER ONE EIGHTH BLOCK}w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    args = ["sample", f"hf:{path}", "--prompt", "w1 w2", "--max-new-tokens", "3"]
+    done = jaxkit(*args, "--temperature", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    sample = json.loads(done.stdout)
+    assert sample["prompt_tokens"] == [1, 2]
+    assert sample["text"] == "".join(f" w{token}" for token in sample["tokens"])
+    plain = jaxkit(*args, "--temperature", "0")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == "w1 w2" + sample["text"] + "\n"
+
+
 def test_recomputing_the_prefix_gives_the_tokens_the_cache_gives():
     """The path a model of your own takes (no cache: the whole prefix each step, rows padded
     on the right), run on the byte LM, draws what its cache draws. Its rows stay within

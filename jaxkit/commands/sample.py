@@ -166,11 +166,20 @@ class Tokenizer:
             ids = list(self._hf.encode(text, add_special_tokens=self.special and start).ids)
         return ([self.bos_id] if self.bos_id is not None and start else []) + ids
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], after: Sequence[int] = ()) -> str:
+        """`ids`' text, as it reads after the ids `after` (a prompt's). A tokenizer.json's
+        decoder may read a token otherwise at a text's start than within it (a
+        SentencePiece-style "▁Paris" is "Paris" first, " Paris" after "is"): the text is
+        what decoding `after` + `ids` adds to `after`'s text, where it only adds."""
         if self._hf is None:
             raw = b"".join(bytes([i]) if i < 256 else REPLACEMENT for i in ids)
             return raw.decode("utf-8", errors="replace")
-        return str(self._hf.decode(list(ids), skip_special_tokens=False))
+        alone = str(self._hf.decode(list(ids), skip_special_tokens=False))
+        if not after:
+            return alone
+        before = str(self._hf.decode(list(after), skip_special_tokens=False))
+        whole = str(self._hf.decode([*after, *ids], skip_special_tokens=False))
+        return whole[len(before) :] if whole.startswith(before) else alone
 
 
 def _eos_list(value: object) -> list[int]:
@@ -254,7 +263,7 @@ def run(
         return common.error(err)
     for i, sample in enumerate(samples):
         prompt = prompts[i // opts.num_samples]
-        text = tokenizer.decode(sample.tokens)
+        text = tokenizer.decode(sample.tokens, after=sample.prompt_tokens)
         if opts.json:
             record = {
                 "prompt": prompt,
