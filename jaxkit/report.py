@@ -170,6 +170,41 @@ def summary_row(run: dict) -> dict:
     return summary_rows(run)[0]
 
 
+def by_source_rows(run: dict) -> list[dict]:
+    """A mixture's row per source, in NAME order, from summary.json: the examples and
+    epochs it gave (examples_by_source, epochs_by_source) and its own held-out loss
+    (eval_loss_by_source). None for a run of one source or one not finished."""
+    summary = run["summary"] or {}
+    fields = {
+        "examples": summary.get("examples_by_source") or {},
+        "epochs": summary.get("epochs_by_source") or {},
+        "eval_loss": summary.get("eval_loss_by_source") or {},
+    }
+    names = sorted(set().union(*fields.values()))
+    return [
+        {"run": run["name"], "source": name}
+        | {key: values.get(name) for key, values in fields.items()}
+        for name in names
+    ]
+
+
+def _by_source_table(runs: list[dict]) -> list[str]:
+    rows = [row for run in runs for row in by_source_rows(run)]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Rows read from each source of a mixture, and each source's held-out loss:",
+        "",
+        "| " + " | ".join(rows[0]) + " |",
+        "|" + "---|" * len(rows[0]),
+    ]
+    spec = {"epochs": ".3f", "eval_loss": ".4f"}
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(v, spec.get(k, "")) for k, v in row.items()) + " |")
+    return lines
+
+
 def write_report(
     workdirs: list[str | os.PathLike], out: str | os.PathLike | None = None
 ) -> epath.Path:
@@ -194,6 +229,7 @@ def write_report(
     for row in rows:
         cells = [_fmt(row[k], ".1f" if k == "examples_per_s" else ".4f") for k in header]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _by_source_table(runs)
     lines += ["", "Loss against optimizer steps and against examples seen (eval dashed):", ""]
     lines += [f"![{name}]({name})" for name in PLOTS[:2]]
     lines += ["", "Throughput over the run:", "", f"![{PLOTS[2]}]({PLOTS[2]})", ""]

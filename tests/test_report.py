@@ -160,3 +160,34 @@ def test_a_stage_ended_by_a_resume_on_other_devices_shows_the_plan_it_ran_on(tmp
     )
     assert first == {"devices": 4, "per_device": 4, "accum": 2, "steps": 3}
     assert second == {"devices": 2, "per_device": 4, "accum": 4, "steps": 6}
+
+
+def test_report_shows_each_mixture_sources_rows_epochs_and_eval(tmp_path):
+    """summary.json's examples_by_source, epochs_by_source and eval_loss_by_source: a row
+    per source, in NAME order, below the runs' table; a run of one source adds none."""
+    from jaxkit import cli
+
+    record = {"step": 4, "loss": 3.9, "examples_seen": 128, "step_time_s": 0.1}
+    mixed = {
+        "examples_by_source": {"web": 90, "code": 38},
+        "epochs_by_source": {"web": 90 / 84, "code": 38 / 14},
+        "eval_loss_by_source": {"web": 4.14421, "code": 4.13389},
+    }
+    for name, summary in (("mix", mixed), ("one", {"final_loss": 3.9})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+        (tmp_path / name / "plan.json").write_text(json.dumps({"global_batch_size": 32}))
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "report"
+    runs = [str(tmp_path / "mix"), str(tmp_path / "one")]
+    assert cli.main(["report", *runs, "--out", str(out)]) == 0
+    lines = (out / "report.md").read_text().splitlines()
+    at = lines.index("Rows read from each source of a mixture, and each source's held-out loss:")
+    end = lines.index("", at + 2)
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in lines[at + 2 : end]]
+    assert table == [
+        ["run", "source", "examples", "epochs", "eval_loss"],
+        ["---", "---", "---", "---", "---"],
+        ["mix", "code", "38", "2.714", "4.1339"],
+        ["mix", "web", "90", "1.071", "4.1442"],
+    ]
