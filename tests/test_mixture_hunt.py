@@ -135,3 +135,17 @@ def test_stages_take_spaces_around_equals_and_refuse_an_infinite_weight(nanogpt,
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert "'code=inf' needs a finite weight > 0" in done.stderr, done.stderr
+
+
+def test_eval_of_a_mixture_run_gives_the_runs_eval_loss(nanogpt, tmp_path):
+    """`jaxkit eval RUN` reads the run's saved config, data.mixture and all (a key saved as
+    its fields was taken for one added since, and set to null), and evaluates every source's
+    held-out rows as the run did: the same batches in the same order, so the same loss."""
+    run = str(tmp_path / "run")
+    mix = _mix(web=nanogpt / "train.bin", code=nanogpt / "val.bin")
+    done = jaxkit(*RUN, mix, "--workdir", run)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    done = jaxkit("eval", run, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["eval_loss"] == summary["eval_loss"]

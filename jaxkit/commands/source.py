@@ -146,7 +146,9 @@ def _saved_config(saved: dict) -> ml_collections.ConfigDict:
     flat = flatten(config)
     source = SOURCE_KEYS.get(str(flat.get("data.source")), ())
     for key in (*BASE_KEYS, *contract(config).keys(flat), *source):
-        if key.added is ALWAYS or key.name in flat:
+        # a dict-valued key (data.mixture) flattens to its fields: it was saved all the same
+        given = key.name in flat or any(k.startswith(key.name + ".") for k in flat)
+        if key.added is ALWAYS or given:
             continue
         section, leaf = key.name.split(".", 1)
         if section not in config:
