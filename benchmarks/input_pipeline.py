@@ -8,14 +8,20 @@ the step on a CPU and on a GPU. Prefetch (train.prefetch=2) should hide the load
 entirely while a load is shorter than a micro-step: the loop's wait for data after the
 first batch is then ~0, and examples/s the step's own pace.
 
+Then a mixture of three sources (data.mixture, weights 0.6/0.3/0.1) against one source:
+rows per second through the loader (a micro-batch's rows found, read, weighted and placed
+on the devices), the two read in turn, with the target of at least 0.9 times one source's;
+and the loop's wait for data with prefetch 2 (the mixture off the step's critical path).
+
 Run: python benchmarks/input_pipeline.py [--host-devices 8] [--steps 40]
-     [--delay-fractions 0,0.5,0.9,2 | --delays-ms 0,10,40] [--data DIR]
+     [--delay-fractions 0,0.5,0.9,2 | --delays-ms 0,10,40] [--data DIR] [--mixture-only]
 Prints a table and writes benchmarks/results/input_pipeline.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import platform
@@ -33,6 +39,10 @@ parser.add_argument(
 parser.add_argument("--delays-ms", help="read delays in ms, instead of --delay-fractions")
 parser.add_argument("--tokens", type=int, default=20_000_000, help="written when no --data")
 parser.add_argument("--data", help="token files to read (default: random ones written here)")
+parser.add_argument(
+    "--mixture-only", action="store_true", help="only the mixture against one source, no delays"
+)
+parser.add_argument("--reads", type=int, default=200, help="loader reads of each, mixture part")
 parser.add_argument(
     "--out", default=str(pathlib.Path(__file__).parent / "results" / "input_pipeline.json")
 )
@@ -68,21 +78,35 @@ class Slow:
     def row_weight_sums(self, rows):
         return data_lib.row_weight_sums(self.inner, rows)
 
+    def __getattr__(self, name: str):  # a mixture's order and by_source, read as they are
+        return getattr(self.inner, name)
 
-def write_tokens(out: pathlib.Path, count: int) -> None:
+
+def write_tokens(out: pathlib.Path, count: int, seed: int = 0) -> None:
     """nanoGPT-style flat uint16 files of byte-valued ids, in four shards."""
-    ids = np.random.default_rng(0).integers(0, 256, size=count).astype("<u2")
+    ids = np.random.default_rng(seed).integers(0, 256, size=count).astype("<u2")
     for i, part in enumerate(np.array_split(ids, 4)):
         part.tofile(out / f"train-{i}.bin")
 
 
-def config_for(path: str, prefetch: int):
+# The mixture's sources: NAME -> weight (their token files: three directories, or --data thrice).
+MIXTURE = {"web": 0.6, "code": 0.3, "math": 0.1}
+
+
+def config_for(path: str | dict[str, str], prefetch: int):
+    """lm_tiny on the token files at `path`, or on the mixture of {NAME: path} (MIXTURE's
+    weights)."""
+    if isinstance(path, dict):
+        mixture = {name: {"path": p, "weight": MIXTURE[name]} for name, p in path.items()}
+        data = "data.mixture=" + json.dumps(mixture)
+    else:
+        data = f"data.path={path}"
     config = load_config("lm_tiny")
     apply_overrides(
         config,
         [
             "data.source=tokens",
-            f"data.path={path}",
+            data,
             f"train.prefetch={prefetch}",
             f"train.steps={args.steps}",
             f"train.log_every={args.steps}",
@@ -111,6 +135,76 @@ def loader_ms(config, delay_s: float, reads: int = 30) -> float:
     return 1e3 * statistics.median(times)
 
 
+def loader_rates(configs: dict[str, object], reads: int) -> dict[str, dict]:
+    """Rows per second of each config's loader, the configs read in turn (a busy machine
+    slows them alike): `loader` is a micro-batch's load_micro_batch (rows found, read,
+    weighted, placed on the devices, as the loop asks), `host` the same without placing."""
+    built = {}
+    for name, config in configs.items():
+        mesh = make_mesh(config.mesh.to_dict())
+        plan = plan_from_config(config, mesh_shape(mesh))
+        with contextlib.redirect_stdout(None):  # foreign token files' one warning line each
+            source = data_lib.make_sources(config)[0]
+        built[name] = plan, build(config, plan, mesh).batch_sharding, source
+    times: dict[str, dict[str, list[float]]] = {n: {"loader": [], "host": []} for n in built}
+    for i in range(reads):
+        for name, (plan, sharding, source) in built.items():
+            first = i * plan.global_batch_size
+            start = time.perf_counter()
+            rows = data_lib.source_rows(source, first, plan.micro_batch_size, 0)
+            data_lib.row_weight_sums(source, rows)
+            source[rows]
+            middle = time.perf_counter()
+            batch = data_lib.load_micro_batch(source, first, 0, plan, 0, sharding)
+            jax.block_until_ready(batch)
+            end = time.perf_counter()
+            times[name]["host"].append(middle - start)
+            times[name]["loader"].append(end - middle)
+    return {
+        name: {
+            kind: built[name][0].micro_batch_size / statistics.median(seconds)
+            for kind, seconds in kinds.items()
+        }
+        for name, kinds in times.items()
+    }
+
+
+def mixture_part(one: str, three: dict[str, str]) -> dict:
+    """The three-source mixture against one source: loader rows/s, and training with
+    prefetch 2 (examples/s, the loop's wait for data)."""
+    configs = {"one source": config_for(one, 0), "mixture of 3": config_for(three, 0)}
+    rates = loader_rates(configs, args.reads)
+    ratio = {
+        kind: rates["mixture of 3"][kind] / rates["one source"][kind] for kind in ("loader", "host")
+    }
+    with contextlib.redirect_stdout(None):
+        trained = {"one source": run(config_for(one, 2), 0.0)}
+        trained["mixture of 3"] = run(config_for(three, 2), 0.0)
+    for name in configs:
+        row, pace = rates[name], trained[name]
+        print(
+            f"{name:12s} | loader {row['loader']:8.0f} rows/s (host alone {row['host']:8.0f}) |"
+            f" prefetch 2: {pace['examples_per_s']:7.1f} ex/s, step {pace['median_step_ms']:6.1f}"
+            f" ms, waits {pace['wait_ms_per_micro_step']:5.2f} ms per micro-step",
+            flush=True,
+        )
+    holds = ratio["loader"] >= 0.9
+    pace = trained["mixture of 3"]["examples_per_s"] / trained["one source"]["examples_per_s"]
+    print(
+        f"mixture / one source: loader rows/s ×{ratio['loader']:.2f} (host alone "
+        f"×{ratio['host']:.2f}; target ≥ 0.9 on the loader: {'holds' if holds else 'MISSED'}),"
+        f" training ex/s ×{pace:.2f}",
+        flush=True,
+    )
+    return {
+        "weights": MIXTURE,
+        "rates": rates,
+        "ratio": ratio,
+        "target_holds": holds,
+        "prefetch_2": trained,
+    }
+
+
 def run(config, delay_s: float) -> dict:
     real = data_lib.make_sources
     loop_lib.data_lib.make_sources = lambda c: (Slow(real(c)[0], delay_s), real(c)[1])
@@ -130,9 +224,17 @@ def run(config, delay_s: float) -> dict:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.data
+        three = dict.fromkeys(MIXTURE, path)
         if path is None:
-            write_tokens(pathlib.Path(tmp), args.tokens)
-            path = tmp
+            for i, name in enumerate(MIXTURE):  # three sources of a third of the tokens each
+                (pathlib.Path(tmp) / name).mkdir()
+                write_tokens(pathlib.Path(tmp) / name, args.tokens // len(MIXTURE), seed=i)
+                three[name] = str(pathlib.Path(tmp) / name)
+            path = three["web"]
+        mixed = mixture_part(path, three)  # type: ignore[arg-type]
+        if args.mixture_only:
+            _write({"mixture": mixed})
+            return
         pace = run(config_for(path, 2), 0.0)
         compute_ms = pace["median_step_ms"] / pace["grad_accum_steps"]
         print(f"compute: {compute_ms:.1f} ms per micro-step (prefetch 2, no delay)", flush=True)
@@ -163,6 +265,10 @@ def main() -> None:
                 f" ms | ×{row['speedup']:.2f}",
                 flush=True,
             )
+    _write({"pace": pace, "rows": rows, "mixture": mixed})
+
+
+def _write(results: dict) -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -170,8 +276,7 @@ def main() -> None:
         "device": jax.devices()[0].device_kind,
         "python": sys.version,
     }
-    results = {"args": vars(args), "meta": meta, "pace": pace, "rows": rows}
-    out.write_text(json.dumps(results, indent=1))
+    out.write_text(json.dumps({"args": vars(args), "meta": meta} | results, indent=1))
     print(f"wrote {out}")
 
 
