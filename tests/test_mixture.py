@@ -5,6 +5,7 @@ rows each reads, the model each trains), its refusals and what it records."""
 
 import contextlib
 import json
+import pathlib
 from fractions import Fraction
 
 import numpy as np
@@ -322,6 +323,14 @@ def test_the_summary_counts_each_sources_rows_and_eval(runs, dirs):
     losses = [last["eval_loss_by_source"][name] for name in held_out.names]
     assert last["eval_loss"] == pytest.approx(np.dot(weights, losses) / sum(weights), rel=1e-12)
     assert summary["eval_loss_by_source"] == last["eval_loss_by_source"]
+    # docs/data.md shows this run's summary: its fields, to the digits it prints
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "data.md").read_text()
+    section = page.split("\n## Mix sources\n", 1)[1].split("\n## ", 1)[0]
+    shown = json.loads("{" + section.split("```json\n", 1)[1].split("```", 1)[0] + "}")
+    assert shown["examples_by_source"] == summary["examples_by_source"]
+    assert shown["epochs_by_source"] == pytest.approx(summary["epochs_by_source"], abs=5e-4)
+    assert shown["eval_loss_by_source"] == pytest.approx(summary["eval_loss_by_source"], abs=5e-5)
+    assert shown["eval_loss"] == pytest.approx(summary["eval_loss"], abs=5e-5)
 
 
 def test_a_resume_may_add_a_later_stage_but_not_change_a_past_one(runs, dirs):
