@@ -475,7 +475,10 @@ def _known_keys(config: ml_collections.ConfigDict) -> list[str]:
     """Every key an override may name: each leaf, and each dict-valued key
     (model.rope_scaling), which is set whole, as JSON or null, like a leaf."""
     keys = flat_keys(config)
-    dict_keys = {k.rsplit(".", 1)[0] for k in keys if k.count(".") > 1}
+    # every dict level below a section: data.mixture as well as data.mixture.web
+    dict_keys = {
+        ".".join(parts[:i]) for parts in (k.split(".") for k in keys) for i in range(2, len(parts))
+    }
     return keys + sorted(dict_keys - set(keys))
 
 
@@ -552,8 +555,9 @@ def apply_overrides(
                     value = declared.normalise(value)
                 except ConfigError as err:
                     raise ConfigError(f"{key}: {err}") from None
-            if value is not None:
-                del node[leaf]  # a field typed dict or null would not take a ConfigDict
+            # a field typed dict or null would not take a ConfigDict, nor one holding a
+            # ConfigDict null (a config file's data.mixture unset on the line)
+            del node[leaf]
             node[leaf] = value  # a dict becomes a ConfigDict: its fields can be set one by one
             keys = _known_keys(config)  # its fields, from here on the line (none for null)
             continue

@@ -149,3 +149,35 @@ def test_eval_of_a_mixture_run_gives_the_runs_eval_loss(nanogpt, tmp_path):
     done = jaxkit("eval", run, "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["eval_loss"] == summary["eval_loss"]
+    # --data names one source's files in place of the mixture: web's held-out rows again
+    done = jaxkit("eval", run, "--data", str(nanogpt / "train.bin"), "--json")
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.splitlines()[-1])["eval_loss"]
+    assert said == summary["eval_loss_by_source"]["web"]
+
+
+def test_the_command_line_replaces_a_config_files_mixture(nanogpt, tmp_path):
+    """A config file's data.mixture (a dict) is replaced whole by data.mixture=JSON, or
+    unset by data.mixture=null beside a data.path, as any dict-valued key is."""
+    (tmp_path / "mix.py").write_text(
+        "from jaxkit.config import load_config\n\n"
+        "def get_config():\n"
+        "    c = load_config('lm_tiny')\n"
+        "    c.data.source = 'tokens'\n"
+        "    c.data.path = None\n"
+        f"    c.data.mixture = {{'web': {{'path': {str(nanogpt)!r}, 'weight': 1}}}}\n"
+        "    return c\n"
+    )
+    mix = _mix(web=nanogpt / "train.bin", code=nanogpt / "val.bin")
+    done = jaxkit(
+        *RUN[:1], str(tmp_path / "mix.py"), *RUN[2:], mix, "--workdir", str(tmp_path / "a")
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["examples_by_source"] == {"code": 16, "web": 16}
+    one = ["data.mixture=null", f"data.path={nanogpt}"]
+    done = jaxkit(
+        *RUN[:1], str(tmp_path / "mix.py"), *RUN[2:], *one, "--workdir", str(tmp_path / "b")
+    )
+    assert done.returncode == 0, done.stderr
+    assert "examples_by_source" not in json.loads((tmp_path / "b" / "summary.json").read_text())

@@ -284,7 +284,8 @@ def _held_out(source: source_lib.Source, path: str | None, examples: int) -> dat
                 f"--data: {source.where} trained on data.source={config.data.source}, which "
                 "reads no data.path"
             )
-        apply_overrides(config, [f"data.path={path}"])
+        # --data names the one source evaluated, in place of a mixture's
+        apply_overrides(config, ["data.mixture=null", "data.mixture_stages=", f"data.path={path}"])
         validate(config)
     elif (recorded := saved.get(data_lib.PATHS, {}).get("data.path")) is not None:
         config.data.path = recorded  # the absolute location the run read: from any directory
