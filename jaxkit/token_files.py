@@ -355,6 +355,13 @@ def _read_split(
     return Split(Stream(tokens), Stream(masks) if masks else None, doc_starts, eod_id)
 
 
+def held_out_by_fraction(path: str) -> bool:
+    """Whether open_splits holds out `path`'s last eval_fraction of tokens: files neither
+    prepared nor in nanoGPT's layout, which hold out their own split."""
+    prepared = not _is_glob(path) and read_meta(path) is not None
+    return not prepared and _nanogpt_files(path) is None
+
+
 def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Split, Split, dict]:
     """(train, eval, facts): a prepared directory's two splits, nanoGPT's train.bin and
     val.bin, or other foreign token files whose last `eval_fraction` of tokens is held out.

@@ -93,6 +93,22 @@ def test_eval_on_another_layout_and_device_count_is_the_same_within_round_off(ru
         assert abs(hits) < 1.5
 
 
+def test_eval_of_a_file_given_as_data_says_only_its_tail_is_held_out(run, tmp_path):
+    """--data FILE (a text file here, nanoGPT's val.bin alike) is split as data.path is: its
+    last data.eval_fraction held out, not the whole file a user may expect; stderr says so."""
+    workdir, _ = run
+    text = tmp_path / "other.txt"
+    text.write_bytes(bytes(range(32, 127)) * 40)  # 3,800 bytes: 5% is 190, 11 rows of 16
+    done = jaxkit("eval", workdir, "--data", str(text), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["eval_examples"] == 11
+    assert done.stderr.splitlines() == [
+        f"data: --data {text} is not read whole: its held-out split, as a run on it holds it "
+        "out, is its last data.eval_fraction=0.05 (11 rows; a directory in nanoGPT's layout "
+        "holds out val.bin whole)"
+    ]
+
+
 def _hf_dir(tmp_path, vocab_size: int):
     hf_config = {"model_type": "llama", **HF_SHAPE, "vocab_size": vocab_size}
     path = write_hf_dir(tmp_path / "hf", hf_config, random_tensors(jaxkit_config(hf_config), 4))

@@ -306,7 +306,24 @@ def _held_out(source: source_lib.Source, path: str | None, examples: int) -> dat
     note = getattr(train, "note", None)  # how token files were read, where it matters
     if note:
         print(note, file=sys.stderr)
+    if path is not None and _split_by_fraction(config):
+        # A file given as --data (nanoGPT's val.bin, say) is not read whole: as a run on it
+        # would, the eval holds out its tail only.
+        print(
+            f"data: --data {path} is not read whole: its held-out split, as a run on it "
+            f"holds it out, is its last data.eval_fraction={config.data.eval_fraction:g} "
+            f"({len(held_out):,} rows; a directory in nanoGPT's layout holds out val.bin whole)",
+            file=sys.stderr,
+        )
     return held_out
+
+
+def _split_by_fraction(config: Any) -> bool:
+    """Whether data.path's held-out split is its last data.eval_fraction: text, and token
+    files neither prepared nor in nanoGPT's layout (which hold out their own split)."""
+    from jaxkit import token_files
+
+    return config.data.source == "text" or token_files.held_out_by_fraction(str(config.data.path))
 
 
 def _check_tokenizer(source: source_lib.Source, trained: Any, train: Any, path: str) -> None:
