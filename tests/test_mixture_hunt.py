@@ -181,3 +181,23 @@ def test_the_command_line_replaces_a_config_files_mixture(nanogpt, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "examples_by_source" not in json.loads((tmp_path / "b" / "summary.json").read_text())
+
+
+def test_a_saved_config_keeps_its_dict_valued_keys():
+    """A run's saved config, as eval and sample read it back, keeps each dict-valued key
+    it was saved with (saved as its fields): model.rope_scaling was set to null, so a
+    Llama 3.1 run was sampled and evaluated without its rotary scaling, and data.mixture
+    was lost."""
+    from jaxkit.commands.source import _saved_config
+    from jaxkit.config import apply_overrides, load_config
+
+    config = load_config("llama_tiny")
+    rope = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    apply_overrides(config, ["model.rope_scaling=" + json.dumps(rope)])
+    saved = _saved_config(json.loads(json.dumps(config.to_dict())))
+    assert saved.model.rope_scaling.to_dict() == config.model.rope_scaling.to_dict()
