@@ -79,7 +79,7 @@ def _log_probs(workdir: str):
 def test_the_harness_gets_the_models_log_probabilities_and_samples_greedy_text(
     run, offline, tmp_path
 ):
-    out = tmp_path / "results.json"
+    out = tmp_path / "new" / "results.json"  # --out's directory is made, as a workdir is
     tasks = "jaxkit_choice,jaxkit_until,jaxkit_rolling"
     done = jaxkit("eval", run, "--tasks", tasks, "--include-path", TASKS, "--out", str(out))
     assert done.returncode == 0, done.stderr

@@ -205,7 +205,9 @@ def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bo
         print(make_table(results, "groups"))
     if opts.out is not None:
         text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
-        pathlib.Path(opts.out).write_text(text + "\n")
+        out = pathlib.Path(opts.out)
+        out.parent.mkdir(parents=True, exist_ok=True)  # checked writable before any work
+        out.write_text(text + "\n")
     return 0
 
 
