@@ -17,7 +17,7 @@ import functools
 import os
 import pathlib
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import jax
@@ -793,19 +793,27 @@ def check_sources(train_source: Source, plan: BatchPlan) -> None:
     check_train_weight(train_source)
 
 
+def _each_source(source: Source, check: Callable[[Source], None]) -> bool:
+    """For a mixture (MixtureRows): runs `check` on each of its sources, naming the one it
+    refuses, and returns True; False for a single source, which the caller checks itself."""
+    parts = getattr(source, "parts", None)
+    if parts is None:
+        return False
+    for name, part in zip(source.names, parts, strict=True):  # type: ignore[attr-defined]
+        try:
+            check(part)
+        except DataError as e:
+            raise DataError(f"data.mixture.{name}: {e}") from None
+    return True
+
+
 def check_train_weight(source: Source, chunk_rows: int = 4096) -> None:
     """Fails before training when no training row scores a target (every prompt longer than
     data.seq_len, say): every step's loss would be 0 / 0. Reads rows a chunk at a time and
     stops at the first scored one, so data that scores anything costs one chunk. A
     mixture's sources are each checked, and named: one that scores nothing would take its
     share of every batch and train on none of it."""
-    parts = getattr(source, "parts", None)
-    if parts is not None:
-        for name, part in zip(source.names, parts, strict=True):  # type: ignore[attr-defined]
-            try:
-                check_train_weight(part, chunk_rows)
-            except DataError as e:
-                raise DataError(f"data.mixture.{name}: {e}") from None
+    if _each_source(source, lambda part: check_train_weight(part, chunk_rows)):
         return
     n = len(source)
     for start in range(0, n, chunk_rows):
@@ -821,13 +829,7 @@ def check_eval_weight(source: Source, eval_examples: int) -> None:
     """Fails before training when the held-out rows an eval reads score no target at all
     (prompts only, say): their weighted mean loss would be 0 / 0. A mixture's sources are
     each evaluated on their own (MixtureRows.parts), so each is checked, and named."""
-    parts = getattr(source, "parts", None)
-    if parts is not None:
-        for name, part in zip(source.names, parts, strict=True):  # type: ignore[attr-defined]
-            try:
-                check_eval_weight(part, eval_examples)
-            except DataError as e:
-                raise DataError(f"data.mixture.{name}: {e}") from None
+    if _each_source(source, lambda part: check_eval_weight(part, eval_examples)):
         return
     rows = np.arange(eval_row_count(source, eval_examples))
     if row_weight_sums(source, rows).sum() <= 0:
