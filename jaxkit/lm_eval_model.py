@@ -54,7 +54,6 @@ from jaxkit import sampling
 from jaxkit.commands import common
 from jaxkit.commands import sample as sample_lib
 from jaxkit.commands import source as source_lib
-from jaxkit.models import contract
 from jaxkit.models.loss import row_sums
 from jaxkit.train_step import on_mesh
 
@@ -92,12 +91,7 @@ class JaxkitLM(TemplateLM):
         opts = argparse.Namespace(source=source, overrides=list(overrides), step=step)
         opened = source_lib.open_source(opts, common.load_config, ["data.source=synthetic"])
         config = opened.config
-        decoding = contract(config).decoding(config)
-        if decoding is None:
-            raise common.UsageError(
-                f"{opened.where} trained model.kind={config.model.kind!r}, a classifier: "
-                "lm-evaluation-harness scores and generates text"
-            )
+        decoding = opened.decoding("lm-evaluation-harness scores and generates text")
         self.opened = opened
         self.text, self.eos_ids = sample_lib.source_tokenizer(opened)
         self.vocab = int(config.model.vocab_size)

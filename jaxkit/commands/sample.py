@@ -312,15 +312,8 @@ def _check_prompts(
     """Refuses, before any work, what the model cannot generate from; returns the new
     tokens to generate: those asked, or the default where the model's positions allow it
     (else as many as they allow the longest prompt)."""
-    from jaxkit.models import contract
-
     config = source.config
-    decoding = contract(config).decoding(config)
-    if decoding is None:
-        raise common.UsageError(
-            f"{source.where} trained model.kind={config.model.kind!r}, a classifier: it "
-            "generates no text"
-        )
+    decoding = source.decoding("it generates no text")
     vocab = int(config.model.vocab_size)
     limit = decoding.max_positions
     new = asked or DEFAULT_NEW_TOKENS

@@ -87,6 +87,19 @@ class Source:
     checkpoints: Any = None  # WORKDIR/checkpoints
     hf_dir: pathlib.Path | None = None
 
+    def decoding(self, refusal: str) -> Any:
+        """The model kind's decoding contract; a classifier, which has none, is refused in
+        one line ending with `refusal` (what the command would have done with text)."""
+        from jaxkit.models import contract
+
+        decoding = contract(self.config).decoding(self.config)
+        if decoding is None:
+            raise common.UsageError(
+                f"{self.where} trained model.kind={self.config.model.kind!r}, a classifier: "
+                + refusal
+            )
+        return decoding
+
 
 def open_source(
     opts: argparse.Namespace,
