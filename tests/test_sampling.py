@@ -324,3 +324,20 @@ def test_recomputing_the_prefix_gives_the_tokens_the_cache_gives():
         for sampler in (cached, recomputed)
     ]
     assert drawn[0] == drawn[1]
+
+
+def test_a_classifier_is_refused_in_one_line_as_a_source_of_text():
+    """sample and the lm-eval model ask an opened SOURCE for its decoding contract; a
+    classifier has none and is refused naming the source and its kind."""
+    from jaxkit.commands.common import UsageError
+    from jaxkit.commands.source import Source
+    from jaxkit.config import load_config
+
+    lm = Source(config=load_config("lm_tiny"), where="runs/lm", meta={})
+    assert lm.decoding("unused").max_positions == lm.config.data.seq_len
+    classifier = Source(config=load_config("mlp_digits"), where="runs/digits", meta={})
+    with pytest.raises(UsageError) as refused:
+        classifier.decoding("it generates no text")
+    assert str(refused.value) == (
+        "runs/digits trained model.kind='mlp', a classifier: it generates no text"
+    )
