@@ -572,6 +572,11 @@ def apply_overrides(
                 value = float(text)  # a float's own reading: 1e400 digits give inf, not an error
             elif expected is str and not isinstance(value, str):
                 value = text
+            elif expected is int and type(value) is float and key.count(".") >= 2:
+                # a field of a JSON object's value (data.mixture.web.weight): a number, the
+                # field typed only by the value it held (1 before 0.3)
+                del node[leaf]
+                expected = float
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ConfigError(
                     f"{key}={text!r}: expected {expected.__name__}, got {type(value).__name__}"

@@ -201,3 +201,24 @@ def test_a_saved_config_keeps_its_dict_valued_keys():
     apply_overrides(config, ["model.rope_scaling=" + json.dumps(rope)])
     saved = _saved_config(json.loads(json.dumps(config.to_dict())))
     assert saved.model.rope_scaling.to_dict() == config.model.rope_scaling.to_dict()
+
+
+def test_a_fractional_weight_may_replace_a_whole_one_field_by_field():
+    """data.mixture.web.weight=0.3 after a mixture whose weights were whole numbers was
+    refused as "expected int, got float"; a JSON object's number is a number. A section's
+    own int field still refuses a fraction."""
+    from fractions import Fraction
+
+    from jaxkit import mixture
+    from jaxkit.config import ConfigError, apply_overrides, load_config
+
+    config = load_config("llama_tiny")
+    whole = {"web": {"path": "w", "weight": 1}, "code": {"path": "c", "weight": 2}}
+    apply_overrides(config, ["data.source=tokens", "data.mixture=" + json.dumps(whole)])
+    apply_overrides(config, ["data.mixture.web.weight=0.3"])
+    sources = mixture.sources_of(config.data.mixture.to_dict())
+    assert sources["web"]["weight"] == Fraction(3, 10) and sources["code"]["weight"] == 2
+    with pytest.raises(ConfigError, match="expected float, got bool"):
+        apply_overrides(config, ["data.mixture.web.weight=true"])
+    with pytest.raises(ConfigError, match=r"train\.steps='0\.5': expected int, got float"):
+        apply_overrides(config, ["train.steps=0.5"])
