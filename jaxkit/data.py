@@ -17,6 +17,7 @@ import functools
 import os
 import pathlib
 import sysconfig
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -435,6 +436,12 @@ def stream_rows(first_example: int, count: int, num_rows: int, seed: int) -> np.
     return rows_of_examples(np.arange(first_example, first_example + count), num_rows, seed)
 
 
+# A mixture's order is worked out 2,048 examples (64 blocks) at a time, and the last few
+# such chunks kept: a step's weight, its micro-batches and the noise scale's rows reuse them.
+_MIXTURE_CHUNK = 64 * mixture.BLOCK
+_MIXTURE_CHUNKS_KEPT = 4
+
+
 @dataclasses.dataclass
 class MixtureRows:
     """Several sources' rows as one Source: ids [offset_s, offset_s + len_s) are source s's.
@@ -451,6 +458,9 @@ class MixtureRows:
 
     def __post_init__(self) -> None:
         self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
+        self._chunks: dict[tuple[int, int], np.ndarray] = {}
+        self._chunks_lock = threading.Lock()
+        self._chunks_kept = _MIXTURE_CHUNKS_KEPT
         own = zip(self.names, self.parts, strict=True)
         # Every source's tokens: a resume on other sources is refused naming the one changed.
         self.fingerprint: dict[str, Any] = {
@@ -476,14 +486,37 @@ class MixtureRows:
         return int(self.offsets[-1])
 
     def stream_rows(self, first: int, count: int, seed: int) -> np.ndarray:
-        assert self.order is not None
-        source, k = self.order.examples(first, count, seed)
         ids = np.empty(count, dtype=np.int64)
+        at, end = first, first + count
+        # room for every chunk of the largest read asked (a step's whole global batch)
+        self._chunks_kept = max(self._chunks_kept, -(-count // _MIXTURE_CHUNK) + 2)
+        while at < end:
+            chunk, lo = divmod(at, _MIXTURE_CHUNK)
+            n = min(end - at, _MIXTURE_CHUNK - lo)
+            ids[at - first : at - first + n] = self._chunk_rows(chunk, seed)[lo : lo + n]
+            at += n
+        return ids
+
+    def _chunk_rows(self, chunk: int, seed: int) -> np.ndarray:
+        """Ids of examples [chunk · C, (chunk + 1) · C), C = _MIXTURE_CHUNK: the order's
+        Python work (each block's counts and shuffle, each source's stream) paid once for
+        the step's weight, its micro-batches and the next steps, not once per read."""
+        assert self.order is not None
+        with self._chunks_lock:  # the prefetch thread reads too
+            kept = self._chunks.get((chunk, seed))
+            if kept is not None:
+                return kept
+        source, k = self.order.examples(chunk * _MIXTURE_CHUNK, _MIXTURE_CHUNK, seed)
+        ids = np.empty(_MIXTURE_CHUNK, dtype=np.int64)
         for s, name in enumerate(self.names):
             here = source == s
             if here.any():
                 own = rows_of_examples(k[here], len(self.parts[s]), mixture.source_seed(seed, name))
                 ids[here] = self.offsets[s] + own
+        with self._chunks_lock:
+            self._chunks[(chunk, seed)] = ids
+            while len(self._chunks) > self._chunks_kept:
+                del self._chunks[next(iter(self._chunks))]  # the oldest
         return ids
 
     def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:

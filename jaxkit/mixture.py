@@ -211,18 +211,31 @@ def parse_stages(text: str, names: Sequence[str], seq_len: int | None) -> list[S
 
 
 class _Quota:
-    """R(n) of one stage's weights: rows per source after n blocks, cached as computed."""
+    """R(n) of one stage's weights: rows per source after n blocks.
+
+    R(n) is the largest remainder LR(n) wherever that takes no row back, else
+    `_keep_counts` of R(n - 1): a walk forward from R(0). The walk keeps R at every
+    _WINDOW-th block and the last two it reached, so memory grows by one count per source
+    every _WINDOW blocks, and any R(n) is at most a window's walk from a kept one."""
+
+    _WINDOW = 4096
 
     def __init__(self, weights: Sequence[Fraction]) -> None:
         self.denominator = int(np.lcm.reduce([w.denominator for w in weights]))
         self.numerators = np.array(
             [w.numerator * (self.denominator // w.denominator) for w in weights], dtype=object
         )
-        self.given = np.zeros((1, len(weights)), dtype=np.int64)  # R(0)
+        zero = np.zeros(len(weights), dtype=np.int64)
+        self.walked = 0  # R(walked) = self.last, R(walked - 1) = self.before
+        self.last, self.before = zero, zero
+        self.marks: dict[int, np.ndarray] = {0: zero}  # R(m) for m a multiple of _WINDOW
 
     def _largest_remainder(self, blocks: np.ndarray) -> np.ndarray:
-        total = blocks.astype(object) * BLOCK
-        exact = total[:, None] * self.numerators[None, :]  # quota × denominator, exact
+        # exact in int64 while quota × denominator stays below 2**62, else Python ints
+        small = int(max(self.numerators)) * BLOCK * int(blocks.max(initial=0)) < 2**62
+        kind = np.int64 if small else object
+        total = blocks.astype(kind) * BLOCK
+        exact = total[:, None] * self.numerators.astype(kind)[None, :]  # quota × denominator
         floor = (exact // self.denominator).astype(np.int64)
         remainder = (exact % self.denominator).astype(np.float64)  # < denominator, exact
         left = total.astype(np.int64) - floor.sum(axis=1)
@@ -246,23 +259,35 @@ class _Quota:
                 excess -= 1
         return before + counts
 
-    def upto(self, blocks: int) -> np.ndarray:
-        """R(0), ..., R(blocks)."""
-        have = len(self.given) - 1
-        if blocks > have:
-            more = self._largest_remainder(np.arange(have + 1, blocks + 1))
-            given = np.concatenate([self.given, more])
-            n = have
-            while n < blocks:
-                end = min(n + 4096, blocks)
-                fell = np.nonzero((np.diff(given[n : end + 1], axis=0) < 0).any(axis=1))[0]
-                if not len(fell):
-                    n = end
-                    continue
-                n += int(fell[0]) + 1
-                given[n] = self._keep_counts(given[n - 1], given[n], n)
-            self.given = given
-        return self.given[: blocks + 1]
+    def _forward(self, n: int, given_n: np.ndarray, end: int) -> np.ndarray:
+        """R(n), ..., R(end) from R(n) = given_n (end - n ≤ _WINDOW)."""
+        given = np.concatenate(
+            [given_n[None, :], self._largest_remainder(np.arange(n + 1, end + 1))]
+        )
+        at = 0  # given[at] is R(n + at)
+        while at < end - n:
+            fell = np.nonzero((np.diff(given[at:], axis=0) < 0).any(axis=1))[0]
+            if not len(fell):
+                break
+            at += int(fell[0]) + 1
+            given[at] = self._keep_counts(given[at - 1], given[at], n + at)
+        return given
+
+    def at(self, blocks: int) -> np.ndarray:
+        """R(blocks)."""
+        while self.walked < blocks:  # walk forward, a window (to its next mark) at a time
+            n = self.walked
+            end = min((n // self._WINDOW + 1) * self._WINDOW, blocks)
+            given = self._forward(n, self.last, end)
+            self.walked, self.last, self.before = end, given[-1], given[-2]
+            if end % self._WINDOW == 0:
+                self.marks[end] = self.last
+        if blocks == self.walked:
+            return self.last
+        if blocks == self.walked - 1:
+            return self.before
+        mark = blocks // self._WINDOW * self._WINDOW  # behind the walk: again from its mark
+        return self._forward(mark, self.marks[mark], blocks)[-1]
 
 
 class Order:
@@ -286,15 +311,14 @@ class Order:
                 break
             end = self.stages[j + 1].start // BLOCK if j + 1 < len(self.stages) else None
             n = block - first if end is None else min(block, end) - first
-            total += self.quotas[j].upto(n)[n]
+            total += self.quotas[j].at(n)
         return total
 
     def counts(self, block: int) -> np.ndarray:
         """Rows each source gives in block `block`."""
         j = self._stage_of(block)
         n = block - self.stages[j].start // BLOCK
-        given = self.quotas[j].upto(n + 1)
-        return given[n + 1] - given[n]
+        return self.quotas[j].at(n + 1) - self.quotas[j].at(n)
 
     def block_sources(self, block: int, seed: int) -> np.ndarray:
         """The source of each of the block's 32 places: NAME order, shuffled by the seed."""

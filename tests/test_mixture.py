@@ -6,6 +6,7 @@ rows each reads, the model each trains), its refusals and what it records."""
 import contextlib
 import json
 import pathlib
+import threading
 from fractions import Fraction
 
 import numpy as np
@@ -134,6 +135,57 @@ def test_a_stage_added_later_leaves_earlier_rows_unchanged(dirs):
     later, _ = _sources(dirs, "data.mixture_stages=0:web=0.9+code=0.1,1k:web=0.5+code=0.5")
     np.testing.assert_array_equal(later.stream_rows(0, 1024, 1), train.stream_rows(0, 1024, 1))
     assert not np.array_equal(later.stream_rows(1024, 64, 1), train.stream_rows(1024, 64, 1))
+
+
+def test_reads_of_any_length_give_each_examples_own_row(dirs):
+    """The loader's reads (worked out and kept 2,048 examples at a time) give, for every
+    global example, the row its (source, k) names in that source's own stream: reads of
+    odd lengths across chunk and stage boundaries, repeated and out of order, from a
+    prefetch thread at the same time as the main one."""
+    stages = "data.mixture_stages=0:web=9+code=1,3000:web=1+code=3"
+    train, _ = _sources(dirs, stages)
+    first, count = 2000, 2200
+    source, k = _sources(dirs, stages)[0].order.examples(first, count, 11)
+    want = np.empty(count, dtype=np.int64)
+    for s, name in enumerate(train.names):
+        here = source == s
+        seed = mixture.source_seed(11, name)
+        rows = data_lib.rows_of_examples(k[here], len(train.parts[s]), seed)
+        want[here] = train.offsets[s] + rows
+    reads = [(2000, 57), (2057, 2143), (2040, 10), (4000, 200), (2000, 2200)]
+    for at, n in reads:
+        np.testing.assert_array_equal(train.stream_rows(at, n, 11), want[at - first :][:n])
+    got = {}
+
+    def read(name, at, n):
+        got[name] = np.concatenate([train.stream_rows(a, 31, 11) for a in range(at, at + n, 31)])
+
+    train, _ = _sources(dirs, stages)  # nothing kept yet: both threads work it out
+    threads = [threading.Thread(target=read, args=(t, first, 31 * 70)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in range(2):
+        np.testing.assert_array_equal(got[name], want[: 31 * 70])
+
+
+def test_the_counts_at_a_far_block_need_no_walk_kept_in_memory():
+    """Where the largest remainder would take rows back (weights below 1/32), a stage's
+    counts depend on the block before, so R(n) is a walk from R(0). The walk keeps R every
+    4,096 blocks, not every block's: 100,000 blocks of 20 sources keep 25 counts, an order
+    that jumps there gives the counts of one that walked there in steps of 997 blocks,
+    and counts behind the walk (worked out again from the kept ones) are the same too."""
+    weights = {f"s{i:02d}": w for i, w in enumerate([0.3, 0.01, 0.01, 7, 7] * 4)}
+    jumped, walked = _order(weights), _order(weights)
+    far = 100_000
+    for block in range(0, far + 1, 997):
+        walked.counts(block)
+    for block in (far, far - 1, far + 1, 5, 4096, 4095, far // 2 + 3):
+        np.testing.assert_array_equal(jumped.counts(block), walked.counts(block))
+        assert jumped.counts(block).sum() == 32
+    np.testing.assert_array_equal(jumped.given_before(far), walked.given_before(far))
+    assert len(jumped.quotas[0].marks) == far // 4096 + 1
 
 
 @pytest.mark.parametrize(
