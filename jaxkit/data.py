@@ -459,7 +459,7 @@ class MixtureRows:
     def __post_init__(self) -> None:
         self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
         self._chunks: dict[tuple[int, int], np.ndarray] = {}
-        self._chunks_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._chunks_kept = _MIXTURE_CHUNKS_KEPT
         own = zip(self.names, self.parts, strict=True)
         # Every source's tokens: a resume on other sources is refused naming the one changed.
@@ -502,22 +502,23 @@ class MixtureRows:
         Python work (each block's counts and shuffle, each source's stream) paid once for
         the step's weight, its micro-batches and the next steps, not once per read."""
         assert self.order is not None
-        with self._chunks_lock:  # the prefetch thread reads too
+        with self._lock:  # the prefetch thread reads too, and the order walks as it goes
             kept = self._chunks.get((chunk, seed))
             if kept is not None:
                 return kept
-        source, k = self.order.examples(chunk * _MIXTURE_CHUNK, _MIXTURE_CHUNK, seed)
-        ids = np.empty(_MIXTURE_CHUNK, dtype=np.int64)
-        for s, name in enumerate(self.names):
-            here = source == s
-            if here.any():
-                own = rows_of_examples(k[here], len(self.parts[s]), mixture.source_seed(seed, name))
-                ids[here] = self.offsets[s] + own
-        with self._chunks_lock:
+            source, k = self.order.examples(chunk * _MIXTURE_CHUNK, _MIXTURE_CHUNK, seed)
+            ids = np.empty(_MIXTURE_CHUNK, dtype=np.int64)
+            for s, name in enumerate(self.names):
+                here = source == s
+                if here.any():
+                    seed_s = mixture.source_seed(seed, name)
+                    ids[here] = self.offsets[s] + rows_of_examples(
+                        k[here], len(self.parts[s]), seed_s
+                    )
             self._chunks[(chunk, seed)] = ids
             while len(self._chunks) > self._chunks_kept:
                 del self._chunks[next(iter(self._chunks))]  # the oldest
-        return ids
+            return ids
 
     def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -550,7 +551,8 @@ class MixtureRows:
     def by_source(self, examples: int, seed: int) -> dict[str, dict]:
         """examples_by_source and epochs_by_source after global examples [0, examples)."""
         assert self.order is not None
-        given = self.order.given(examples, seed)
+        with self._lock:
+            given = self.order.given(examples, seed)
         return {
             "examples_by_source": {n: int(g) for n, g in zip(self.names, given, strict=True)},
             "epochs_by_source": {

@@ -216,7 +216,8 @@ class _Quota:
     R(n) is the largest remainder LR(n) wherever that takes no row back, else
     `_keep_counts` of R(n - 1): a walk forward from R(0). The walk keeps R at every
     _WINDOW-th block and the last two it reached, so memory grows by one count per source
-    every _WINDOW blocks, and any R(n) is at most a window's walk from a kept one."""
+    every _WINDOW blocks, and any R(n) is at most a window's walk from a kept one (the last
+    window walked again is kept too)."""
 
     _WINDOW = 4096
 
@@ -229,6 +230,7 @@ class _Quota:
         self.walked = 0  # R(walked) = self.last, R(walked - 1) = self.before
         self.last, self.before = zero, zero
         self.marks: dict[int, np.ndarray] = {0: zero}  # R(m) for m a multiple of _WINDOW
+        self.again: tuple[int, np.ndarray] | None = None  # a window behind the walk: R(m...)
 
     def _largest_remainder(self, blocks: np.ndarray) -> np.ndarray:
         # exact in int64 while quota × denominator stays below 2**62, else Python ints
@@ -237,7 +239,9 @@ class _Quota:
         total = blocks.astype(kind) * BLOCK
         exact = total[:, None] * self.numerators.astype(kind)[None, :]  # quota × denominator
         floor = (exact // self.denominator).astype(np.int64)
-        remainder = (exact % self.denominator).astype(np.float64)  # < denominator, exact
+        remainder = exact % self.denominator  # < denominator: exact as a float below 2**53
+        if self.denominator <= 2**53:
+            remainder = remainder.astype(np.float64)
         left = total.astype(np.int64) - floor.sum(axis=1)
         # rank by remainder, largest first, ties in NAME order (a stable sort)
         order = np.argsort(-remainder, axis=1, kind="stable")
@@ -264,12 +268,19 @@ class _Quota:
         given = np.concatenate(
             [given_n[None, :], self._largest_remainder(np.arange(n + 1, end + 1))]
         )
-        at = 0  # given[at] is R(n + at)
-        while at < end - n:
-            fell = np.nonzero((np.diff(given[at:], axis=0) < 0).any(axis=1))[0]
-            if not len(fell):
-                break
-            at += int(fell[0]) + 1
+        # R(i) departs from LR(i) where it falls below R(i - 1): at a fall of LR itself, or
+        # right after a departure (the one place whose R(i - 1) is not LR's)
+        falls = (np.nonzero((np.diff(given, axis=0) < 0).any(axis=1))[0] + 1).tolist()
+        k, at = 0, 0  # at: the last departure
+        while True:
+            if at and at + 1 < len(given) and (given[at + 1] < given[at]).any():
+                at += 1
+            else:
+                while k < len(falls) and falls[k] <= at + (1 if at else 0):
+                    k += 1
+                if k == len(falls):
+                    break
+                at = falls[k]
             given[at] = self._keep_counts(given[at - 1], given[at], n + at)
         return given
 
@@ -286,8 +297,12 @@ class _Quota:
             return self.last
         if blocks == self.walked - 1:
             return self.before
-        mark = blocks // self._WINDOW * self._WINDOW  # behind the walk: again from its mark
-        return self._forward(mark, self.marks[mark], blocks)[-1]
+        # behind the walk: its window again from the mark, kept for the next ask
+        mark = blocks // self._WINDOW * self._WINDOW
+        if self.again is None or self.again[0] != mark or len(self.again[1]) <= blocks - mark:
+            end = min(mark + self._WINDOW, self.walked)
+            self.again = mark, self._forward(mark, self.marks[mark], end)
+        return self.again[1][blocks - mark]
 
 
 class Order:
