@@ -148,7 +148,13 @@ def test_eval_of_a_mixture_run_gives_the_runs_eval_loss(nanogpt, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     done = jaxkit("eval", run, "--json")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1])["eval_loss"] == summary["eval_loss"]
+    said = json.loads(done.stdout.splitlines()[-1])
+    assert said["eval_loss"] == summary["eval_loss"]
+    # each source's loss too (--json left them out), in the text as well
+    assert said["eval_loss_by_source"] == summary["eval_loss_by_source"]
+    done = jaxkit("eval", run)
+    for name, loss in summary["eval_loss_by_source"].items():
+        assert f"    {name}: eval loss {loss:.4f} nats/" in done.stdout, done.stdout
     # --data names one source's files in place of the mixture: web's held-out rows again
     done = jaxkit("eval", run, "--data", str(nanogpt / "train.bin"), "--json")
     assert done.returncode == 0, done.stderr

@@ -236,7 +236,8 @@ def _missing(tasks: Any, names: list[str]) -> list[str]:
     return [name for name in names if name not in found]
 
 
-# --json's keys, in order; eval_bits_per_byte for byte data only.
+# --json's keys, in order; eval_bits_per_byte for byte data only, eval_loss_by_source for a
+# mixture's held-out data only (each source's own loss, as the run's records give it).
 KEYS = (
     "eval_loss",
     "eval_accuracy",
@@ -244,6 +245,7 @@ KEYS = (
     "eval_bits_per_byte",
     "eval_examples",
     "eval_targets",
+    "eval_loss_by_source",
 )
 
 
@@ -262,12 +264,15 @@ def _report(
     unit = "byte" if byte_data else "token" if is_lm(source.config) else "example"
     bits = f" ({result['eval_bits_per_byte']:.4f} bits/byte)" if byte_data else ""
     at = f", step {source.step}" if source.step is not None else ""
-    return (
+    lines = [
         f"{source.where}{at}: {result['eval_examples']:,} held-out rows, "
-        f"{result['eval_targets']:,} targets scored\n"
+        f"{result['eval_targets']:,} targets scored",
         f"  eval loss {loss:.4f} nats/{unit}{bits}, perplexity {result['eval_perplexity']:.4g}, "
-        f"accuracy {result['eval_accuracy']:.2%}"
-    )
+        f"accuracy {result['eval_accuracy']:.2%}",
+    ]
+    for name, each in (result.get("eval_loss_by_source") or {}).items():
+        lines.append(f"    {name}: eval loss {each:.4f} nats/{unit}")
+    return "\n".join(lines)
 
 
 def _held_out(source: source_lib.Source, path: str | None, examples: int) -> data_lib.Source:
