@@ -53,15 +53,30 @@ def leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
+# The uninterrupted runs several tests compare against, trained once for the module (each
+# test only reads them): a run's cached programs still cost it a trace and 6 steps.
+@pytest.fixture(scope="module")
+def full_k1(tmp_path_factory):
+    """digits() on 8 devices, K = 1."""
+    return run(digits(), tmp_path_factory.mktemp("full_k1"))
+
+
+@pytest.fixture(scope="module")
+def full_k4(tmp_path_factory):
+    """digits(per-device batch 1) on 8 devices, K = 4; its workdir with it."""
+    workdir = tmp_path_factory.mktemp("full_k4")
+    return run(digits("batch.per_device_batch_size=1"), workdir), workdir
+
+
 def same_records(a_dir, b_dir):
     a, b = read_metrics(a_dir), read_metrics(b_dir)
     strip = lambda r: {k: r[k] for k in (*COMPARED, "eval_loss") if k in r}  # noqa: E731
     return [strip(r) for r in a] == [strip(r) for r in b]
 
 
-def test_resume_mid_accumulation_is_bitwise_identical(tmp_path):
+def test_resume_mid_accumulation_is_bitwise_identical(tmp_path, full_k4):
     config = digits("batch.per_device_batch_size=1")  # 8 devices × 1 × K=4
-    full = run(config, tmp_path / "full")
+    full, full_dir = full_k4
     stopped = run(config, tmp_path / "cut", stop_after_micro_steps=10)  # step 2, micro 2 of 4
     assert stopped.stopped and int(stopped.state.opt_state.mini_step) == 2
     ckpt = Checkpointer(tmp_path / "cut" / "checkpoints", keep=3, warn=print)
@@ -73,12 +88,12 @@ def test_resume_mid_accumulation_is_bitwise_identical(tmp_path):
     assert not resumed.stopped
     for a, b in zip(leaves(full.state), leaves(resumed.state), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert same_records(tmp_path / "full", tmp_path / "cut")
+    assert same_records(full_dir, tmp_path / "cut")
 
 
-def test_resume_at_a_boundary_on_fewer_devices_re_derives_accumulation(tmp_path):
+def test_resume_at_a_boundary_on_fewer_devices_re_derives_accumulation(tmp_path, full_k1):
     config = digits()  # global 32, per-device 4: K = 1 on 8 devices, 2 on 4, 4 on 2
-    full = run(config, tmp_path / "full")
+    full = full_k1
     full_losses = np.array([r["loss"] for r in full.records if "loss" in r])
     for devices, k in ((4, 2), (2, 4)):
         workdir = tmp_path / f"to{devices}"
@@ -96,9 +111,9 @@ def test_resume_at_a_boundary_on_fewer_devices_re_derives_accumulation(tmp_path)
         assert worst < PARAM_ATOL, (devices, worst)
 
 
-def test_resume_from_a_2x2x2_mesh_onto_4_devices(tmp_path):
+def test_resume_from_a_2x2x2_mesh_onto_4_devices(tmp_path, full_k1):
     config = digits("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")  # dp 4: K = 2
-    reference = run(digits(), tmp_path / "dp8")
+    reference = full_k1  # on 8 devices
     run(config, tmp_path / "moved", stop_after_micro_steps=4)
     resumed = run(digits(), tmp_path / "moved", devices=4)  # 4 × 1 × 1 mesh, K = 2
     assert resumed.plan.mesh_shape == {"data": 4, "fsdp": 1, "tensor": 1}
@@ -213,7 +228,7 @@ def test_checkpoints_move_between_multisteps_and_fused_at_step_boundaries(tmp_pa
 
 
 def test_ctrl_c_saves_and_stops_like_a_preemption(tmp_path):
-    config = digits("train.steps=30")
+    config = digits("train.steps=30", "train.eval_every=0")  # no eval every 3 of the 30 steps
     sent = []
 
     def press_ctrl_c(line):  # the console line of step 4: the user presses Ctrl-C
@@ -273,7 +288,7 @@ def test_a_run_moved_2_8_8_devices_with_stops_finishes_every_step_once(tmp_path)
     assert json.loads((workdir / "summary.json").read_text())["steps"] == 8
 
 
-def test_a_half_step_is_continued_on_the_same_split_and_redone_on_another(tmp_path):
+def test_a_half_step_is_continued_on_the_same_split_and_redone_on_another(tmp_path, full_k4):
     config = digits("batch.per_device_batch_size=1")  # 8 × 1 × K=4
     run(config, tmp_path / "cut", stop_after_micro_steps=10)  # step 2, 2 of 4 micro-steps
     mesh = make_mesh(config.mesh.to_dict())
@@ -306,7 +321,7 @@ def test_a_half_step_is_continued_on_the_same_split_and_redone_on_another(tmp_pa
     )
     assert resumed.plan.grad_accum_steps == 8
     assert any("cannot continue: that step starts again" in m for m in messages), messages
-    full = run(config, tmp_path / "full")
+    full, _ = full_k4
     worst = max(
         float(np.max(np.abs(a - b)))
         for a, b in zip(leaves(full.state.params), leaves(resumed.state.params), strict=True)
