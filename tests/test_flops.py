@@ -15,6 +15,8 @@ from jaxkit.flops import hardware_flops
 
 # lm_tiny's widths on a Llama block: large enough that matmuls dominate the step.
 LLAMA = ["model.num_layers=2", "data.seq_len=64", "data.max_bytes=60000"]
+# Half the tiny models' widths, for the programs compiled for a described TPU slice.
+NARROW = ["model.d_model=64", "model.mlp_dim=128"]
 
 
 def step_cost(name, *overrides, devices=4, per_device=2, accum=2, shrink=True):
@@ -215,9 +217,10 @@ def test_tpu_programs_count_their_loops_and_convolutions():
     backward = jax.jit(jax.grad(f)).lower(w, x).compile()
     assert hardware_flops(backward.as_text()) == 5 * 3 * 2 * 8 * 256 * 256  # 8 rows per chip
     # A whole step, attention's batched matmuls included (xla's attention: a TPU target's
-    # auto takes splash, whose Pallas kernel states no FLOPs).
+    # auto takes splash, whose Pallas kernel states no FLOPs). Half lm_tiny's widths: each
+    # compile for the chip costs less; rows stay 128 long, splash's block.
     config = load_config("lm_tiny")
-    apply_overrides(config, ["model.attention=xla"])
+    apply_overrides(config, [*NARROW, "model.attention=xla"])
     split = costs.split_config(config, 8, 1)
     plan = plan_from_config(split, {"data": 8, "fsdp": 1, "tensor": 1})
     cost = costs.step_cost(split, plan, devices)
@@ -232,11 +235,12 @@ def test_tpu_programs_count_their_loops_and_convolutions():
         cost.model_flops_per_step - kernel, rel=1e-3
     )
     # Grouped-query attention, scanned: the projections become convolutions whose padded
-    # window is wider than its input; only the taps on real input count.
+    # window is wider than its input; only the taps on real input count (at these widths,
+    # counting every tap gives 1.04 and 1.2 hardware FLOPs per model FLOP).
     counts = []
     for scan in ("false", "true"):
         llama = load_config("llama_tiny")
-        apply_overrides(llama, [f"model.scan_layers={scan}", "model.attention=xla"])
+        apply_overrides(llama, [*NARROW, f"model.scan_layers={scan}", "model.attention=xla"])
         split = costs.split_config(llama, 8, 1)
         cost = costs.step_cost(split, plan_from_config(split, plan_shape(plan)), devices)
         counts.append(cost.hardware_flops_per_step)
@@ -298,7 +302,14 @@ def test_tpu_fused_full_remat_step_counts_its_temporaries():
     config = load_config("llama_tiny")
     apply_overrides(
         config,
-        [*LLAMA, "model.remat=full", "train.accumulation=fused", "mesh.data=1", "mesh.fsdp=-1"],
+        [
+            *LLAMA,
+            *NARROW,
+            "model.remat=full",
+            "train.accumulation=fused",
+            "mesh.data=1",
+            "mesh.fsdp=-1",
+        ],
     )
     split = costs.split_config(config, 2, 1)
     plan = plan_from_config(split, {"data": 1, "fsdp": 8, "tensor": 1})
