@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 
 import jax
@@ -57,8 +58,16 @@ def leaves(tree):
 # test only reads them): a run's cached programs still cost it a trace and 6 steps.
 @pytest.fixture(scope="module")
 def full_k1(tmp_path_factory):
-    """digits() on 8 devices, K = 1."""
-    return run(digits(), tmp_path_factory.mktemp("full_k1"))
+    """digits() on 8 devices, K = 1; its workdir with it."""
+    workdir = tmp_path_factory.mktemp("full_k1")
+    return run(digits(), workdir), workdir
+
+
+def finished_in(workdir, full_k1):
+    """The finished 6-step digits() run, copied into `workdir` as if it had run there."""
+    finished, finished_dir = full_k1
+    shutil.copytree(finished_dir, workdir, dirs_exist_ok=True)
+    return finished
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +102,7 @@ def test_resume_mid_accumulation_is_bitwise_identical(tmp_path, full_k4):
 
 def test_resume_at_a_boundary_on_fewer_devices_re_derives_accumulation(tmp_path, full_k1):
     config = digits()  # global 32, per-device 4: K = 1 on 8 devices, 2 on 4, 4 on 2
-    full = full_k1
+    full, _ = full_k1
     full_losses = np.array([r["loss"] for r in full.records if "loss" in r])
     for devices, k in ((4, 2), (2, 4)):
         workdir = tmp_path / f"to{devices}"
@@ -113,7 +122,7 @@ def test_resume_at_a_boundary_on_fewer_devices_re_derives_accumulation(tmp_path,
 
 def test_resume_from_a_2x2x2_mesh_onto_4_devices(tmp_path, full_k1):
     config = digits("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")  # dp 4: K = 2
-    reference = full_k1  # on 8 devices
+    reference, _ = full_k1  # on 8 devices
     run(config, tmp_path / "moved", stop_after_micro_steps=4)
     resumed = run(digits(), tmp_path / "moved", devices=4)  # 4 × 1 × 1 mesh, K = 2
     assert resumed.plan.mesh_shape == {"data": 4, "fsdp": 1, "tensor": 1}
@@ -183,8 +192,8 @@ def test_a_checkpoint_of_another_model_shape_is_refused_and_left_alone(tmp_path)
     assert ckpt.steps() == [2] and not list((tmp_path / "checkpoints").glob("*.unreadable"))
 
 
-def test_rerunning_a_finished_run_changes_nothing(tmp_path):
-    first = run(digits(), tmp_path)
+def test_rerunning_a_finished_run_changes_nothing(tmp_path, full_k1):
+    first = finished_in(tmp_path, full_k1)
     before = (tmp_path / "metrics.jsonl").read_text()
     again = run(digits(), tmp_path)
     assert again.records == [] and again.summary == first.summary
@@ -470,8 +479,8 @@ def test_stopping_on_the_last_micro_step_still_finishes_the_run(tmp_path):
         assert rebuilt[key] == summary[key], key
 
 
-def test_train_steps_grows_only_when_asked_and_the_schedule_change_is_logged(tmp_path):
-    run(digits(), tmp_path)  # 6 steps, finished
+def test_train_steps_grows_only_when_asked_and_the_schedule_change_is_logged(tmp_path, full_k1):
+    finished_in(tmp_path, full_k1)  # 6 steps, finished
     longer = digits("train.steps=10")
     with pytest.raises(CheckpointError, match=r"holds a finished run of 6 steps.*--allow-longer"):
         run(longer, tmp_path)
@@ -520,8 +529,8 @@ def crash_at_step(monkeypatch, step):
     monkeypatch.setattr(loop_pieces, "format_record", format_record)
 
 
-def test_an_abandoned_extension_leaves_the_finished_run_as_it_was(tmp_path, monkeypatch):
-    finished = run(digits(), tmp_path)  # 6 steps
+def test_an_abandoned_extension_leaves_the_finished_run_as_it_was(tmp_path, monkeypatch, full_k1):
+    finished = finished_in(tmp_path, full_k1)  # 6 steps
     before = json.loads((tmp_path / "summary.json").read_text())
     crash_at_step(monkeypatch, 9)
     with pytest.raises(CrashError):  # --allow-longer to 12 steps, dead at step 9, never saved
