@@ -92,8 +92,8 @@ def test_scan_and_remat_leave_model_flops_alone_and_remat_adds_hardware_flops():
 
 
 def test_fused_accumulation_counts_its_micro_batch_loop():
-    multisteps = step_cost("llama_tiny", accum=4)
-    fused = step_cost("llama_tiny", "train.accumulation=fused", accum=4)
+    multisteps = step_cost("llama_tiny", *NARROW, accum=4)
+    fused = step_cost("llama_tiny", *NARROW, "train.accumulation=fused", accum=4)
     assert fused.model_flops_per_step == multisteps.model_flops_per_step
     assert fused.hardware_flops_per_step == pytest.approx(
         multisteps.hardware_flops_per_step, rel=1e-3
