@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import pathlib
 import sysconfig
@@ -523,23 +524,29 @@ class MixtureRows:
     def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         source = np.searchsorted(self.offsets, ids, side="right") - 1
-        return [(s, source == s) for s in range(len(self.parts)) if (source == s).any()]
+        return [(s, here) for s in range(len(self.parts)) if (here := source == s).any()]
 
     def __getitem__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        source = np.searchsorted(self.offsets, ids, side="right") - 1
+        # each source's rows read at once, in the order of `ids` sorted by source; one
+        # gather per key puts them back
+        by_source = np.argsort(source, kind="stable")
+        starts = np.searchsorted(source[by_source], np.arange(len(self.parts) + 1))
         pieces = [
-            (here, self.parts[s][ids[here] - self.offsets[s]]) for s, here in self._split(ids)
+            self.parts[s][ids[by_source[lo:hi]] - self.offsets[s]]
+            for s, (lo, hi) in enumerate(itertools.pairwise(starts))
+            if hi > lo
         ]
-        weighted = any("weights" in rows for _, rows in pieces)
-        out: dict[str, np.ndarray] = {}
-        for here, rows in pieces:
-            if weighted and "weights" not in rows:
-                rows["weights"] = np.ones(rows["targets"].shape, dtype=np.float32)
-            for key, value in rows.items():
-                if key not in out:
-                    out[key] = np.empty((len(ids), *value.shape[1:]), dtype=value.dtype)
-                out[key][here] = value
-        return out
+        if any("weights" in rows for rows in pieces):
+            for rows in pieces:
+                if "weights" not in rows:
+                    rows["weights"] = np.ones(rows["targets"].shape, dtype=np.float32)
+        back = np.empty_like(by_source)
+        back[by_source] = np.arange(len(ids))
+        if len(pieces) == 1:
+            return {key: value[back] for key, value in pieces[0].items()}
+        return {key: np.concatenate([rows[key] for rows in pieces])[back] for key in pieces[0]}
 
     def row_weight_sums(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
