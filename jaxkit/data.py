@@ -521,39 +521,41 @@ class MixtureRows:
                 del self._chunks[next(iter(self._chunks))]  # the oldest
             return ids
 
-    def _split(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    def _by_source(self, ids: np.ndarray) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
+        """`ids` sorted by source (a stable order), and each source's local rows in it:
+        each source is read once, and `_put_back` restores the order of `ids`."""
         source = np.searchsorted(self.offsets, ids, side="right") - 1
-        return [(s, here) for s in range(len(self.parts)) if (here := source == s).any()]
-
-    def __getitem__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        source = np.searchsorted(self.offsets, ids, side="right") - 1
-        # each source's rows read at once, in the order of `ids` sorted by source; one
-        # gather per key puts them back
-        by_source = np.argsort(source, kind="stable")
-        starts = np.searchsorted(source[by_source], np.arange(len(self.parts) + 1))
-        pieces = [
-            self.parts[s][ids[by_source[lo:hi]] - self.offsets[s]]
+        order = np.argsort(source, kind="stable")
+        starts = np.searchsorted(source[order], np.arange(len(self.parts) + 1))
+        return order, [
+            (s, ids[order[lo:hi]] - self.offsets[s])
             for s, (lo, hi) in enumerate(itertools.pairwise(starts))
             if hi > lo
         ]
+
+    @staticmethod
+    def _put_back(order: np.ndarray, pieces: list[np.ndarray]) -> np.ndarray:
+        """The sources' pieces, concatenated in `order`, put back in the order of the ids."""
+        joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        out = np.empty_like(joined)
+        out[order] = joined
+        return out
+
+    def __getitem__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        order, local = self._by_source(np.asarray(ids, dtype=np.int64).reshape(-1))
+        pieces = [self.parts[s][rows] for s, rows in local]
+        if not pieces:  # no ids
+            return {}
         if any("weights" in rows for rows in pieces):
             for rows in pieces:
                 if "weights" not in rows:
                     rows["weights"] = np.ones(rows["targets"].shape, dtype=np.float32)
-        back = np.empty_like(by_source)
-        back[by_source] = np.arange(len(ids))
-        if len(pieces) == 1:
-            return {key: value[back] for key, value in pieces[0].items()}
-        return {key: np.concatenate([rows[key] for rows in pieces])[back] for key in pieces[0]}
+        return {key: self._put_back(order, [rows[key] for rows in pieces]) for key in pieces[0]}
 
     def row_weight_sums(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        out = np.empty(len(ids), dtype=np.float64)
-        for s, here in self._split(ids):
-            out[here] = row_weight_sums(self.parts[s], ids[here] - self.offsets[s])
-        return out
+        order, local = self._by_source(np.asarray(ids, dtype=np.int64).reshape(-1))
+        sums = [row_weight_sums(self.parts[s], rows) for s, rows in local]
+        return self._put_back(order, sums) if sums else np.empty(0, dtype=np.float64)
 
     def by_source(self, examples: int, seed: int) -> dict[str, dict]:
         """examples_by_source and epochs_by_source after global examples [0, examples)."""
