@@ -3,7 +3,6 @@ and anchors that exist, generated pages are current, and every command shown wit
 output is run by a named test or marked as an illustration (docs/contributing.md)."""
 
 import ast
-import importlib.util
 import os
 import re
 import shutil
@@ -12,6 +11,7 @@ import sys
 
 import pytest
 import yaml
+from script_module import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -155,10 +155,7 @@ def test_a_broken_link_or_anchor_or_a_page_left_out_fails_the_build(tmp_path, pa
 
 
 def test_generated_pages_are_current():
-    spec = importlib.util.spec_from_file_location("generate", os.path.join(DOCS, "generate.py"))
-    assert spec is not None and spec.loader is not None
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
+    generate = load("docs/generate.py")
     assert generate.GENERATED
     for page, make in generate.GENERATED.items():
         with open(os.path.join(DOCS, page), encoding="utf-8") as f:

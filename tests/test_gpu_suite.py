@@ -5,20 +5,14 @@ The whole dry run (`bash benchmarks/gpu_suite.sh --dry-run`, minutes) runs by ha
 runs only its import-and-one-step stage, in this process.
 """
 
-import importlib.util
 import math
-import pathlib
 
 import jax
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from script_module import load
 
 
 def _suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("benchmarks/gpu_suite.py")
 
 
 def test_the_suite_takes_one_step_of_the_kit_and_resolves_the_hand_loops_config():
@@ -68,11 +62,7 @@ def test_the_hand_loop_benchmark_explains_an_mfu_above_100_percent(monkeypatch):
     from jaxkit.records import above_the_peak
 
     monkeypatch.setattr("sys.argv", ["gpu_lm125m.py", "--small"])
-    spec = importlib.util.spec_from_file_location(
-        "gpu_lm125m", ROOT / "benchmarks" / "gpu_lm125m.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("benchmarks/gpu_lm125m.py")
     source = "f32 matmul measured on 1 CPU devices (cached in cpu_peak.json)"
     kit = {"kit_mfu": 0.97, "hand_mfu": 1.32, "model_flops_per_step": 1e9}
     kit["kit_compiled"] = {"hardware_per_model_flop": 0.9}

@@ -58,51 +58,38 @@ def test_one_path_under_two_names_trains(nanogpt, tmp_path):
     assert summary["examples_by_source"] == {"code": 16, "web": 16}
 
 
+def _refused_for_qa(tmp_path, qa_eval_plain, *overrides):
+    """A mixture of plain text and `qa` (20 prompts of 40 tokens, each answered by one token:
+    a window of 16 is all prompt) trained: the one stderr line it is refused with, nothing
+    trained. `qa_eval_plain`: qa's held-out split is plain text, not its prompts."""
+    rng = np.random.default_rng(0)
+    plain = [([], rng.integers(2, 64, 40).tolist()) for _ in range(20)]
+    asked = [(rng.integers(2, 64, 40).tolist(), [5]) for _ in range(20)]
+    qa_eval = plain[:2] if qa_eval_plain else asked[:2]
+    write_prepared(tmp_path / "plain", {"train": plain, "eval": plain[:2]}, vocab_size=64, eod_id=1)
+    write_prepared(tmp_path / "qa", {"train": asked, "eval": qa_eval}, vocab_size=64, eod_id=1)
+    mix = _mix(plain=tmp_path / "plain", qa=tmp_path / "qa")
+    done = jaxkit(*RUN, *overrides, mix, "--workdir", str(tmp_path / "run"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    return done.stderr
+
+
 def test_a_source_whose_held_out_rows_score_nothing_is_refused_before_training(tmp_path):
     """Each source is evaluated on its own: one whose held-out rows an eval reads are all
     prompt (weight 0) is refused before any step, naming it, even where another source's
     held-out rows, first in the mixture's ids, score targets."""
-    rng = np.random.default_rng(0)
-    plain = [([], rng.integers(2, 64, 40).tolist()) for _ in range(20)]
-    # prompts of 40 tokens: the first held-out window of 16 is all prompt
-    asked = [(rng.integers(2, 64, 40).tolist(), [5]) for _ in range(20)]
-    write_prepared(tmp_path / "plain", {"train": plain, "eval": plain[:2]}, vocab_size=64, eod_id=1)
-    write_prepared(tmp_path / "qa", {"train": asked, "eval": asked[:2]}, vocab_size=64, eod_id=1)
-    done = jaxkit(
-        *RUN,
-        "train.eval_examples=1",
-        _mix(plain=tmp_path / "plain", qa=tmp_path / "qa"),
-        "--workdir",
-        str(tmp_path / "run"),
-    )
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.count("\n") == 1, done.stderr
-    said = "data.mixture.qa: the 1 held-out rows an eval reads score no target"
-    assert said in done.stderr, done.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    said = _refused_for_qa(tmp_path, False, "train.eval_examples=1")
+    assert "data.mixture.qa: the 1 held-out rows an eval reads score no target" in said, said
 
 
 def test_a_source_whose_training_rows_score_nothing_is_refused(tmp_path):
     """Alone, a source whose training rows score no target is refused; in a mixture it
-    would take its share of every batch and train on none of it: refused too, named."""
-    rng = np.random.default_rng(1)
-    plain = [([], rng.integers(2, 64, 40).tolist()) for _ in range(20)]
-    # prompts of 40 tokens at seq_len 16, documents cut at seq_len + 1: nothing scored
-    asked = [(rng.integers(2, 64, 40).tolist(), [5]) for _ in range(20)]
-    write_prepared(tmp_path / "plain", {"train": plain, "eval": plain[:2]}, vocab_size=64, eod_id=1)
-    write_prepared(tmp_path / "qa", {"train": asked, "eval": plain[:2]}, vocab_size=64, eod_id=1)
-    done = jaxkit(
-        *RUN,
-        "data.rows=documents",
-        _mix(plain=tmp_path / "plain", qa=tmp_path / "qa"),
-        "--workdir",
-        str(tmp_path / "run"),
-    )
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.count("\n") == 1, done.stderr
-    said = "data.mixture.qa: the 20 training rows score no target"
-    assert said in done.stderr, done.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    would take its share of every batch and train on none of it: refused too, named.
+    (Documents cut at seq_len + 1 tokens: a prompt of 40 leaves nothing scored.)"""
+    said = _refused_for_qa(tmp_path, True, "data.rows=documents")
+    assert "data.mixture.qa: the 20 training rows score no target" in said, said
 
 
 @pytest.mark.parametrize(

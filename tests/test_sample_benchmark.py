@@ -2,18 +2,13 @@
 against recomputing the prefix runs by hand (minutes); this keeps it from rotting between
 those runs, at shrunk shapes."""
 
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from script_module import load
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("sample_bench", ROOT / "benchmarks" / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("benchmarks/sample.py")
 
 
 def test_the_sampling_benchmark_runs_both_paths_to_the_same_tokens_and_sizes_the_cache(tmp_path):
