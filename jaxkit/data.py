@@ -544,8 +544,8 @@ class MixtureRows:
     def __getitem__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         order, local = self._by_source(np.asarray(ids, dtype=np.int64).reshape(-1))
         pieces = [self.parts[s][rows] for s, rows in local]
-        if not pieces:  # no ids
-            return {}
+        if not pieces:  # no ids: what one source gives for none
+            return self.parts[0][np.zeros(0, dtype=np.int64)]
         if any("weights" in rows for rows in pieces):
             for rows in pieces:
                 if "weights" not in rows:

@@ -179,6 +179,10 @@ def test_reads_of_any_length_give_each_examples_own_row(dirs):
         t.join()
     for name in range(2):
         np.testing.assert_array_equal(got[name], want[: 31 * 70])
+    # no ids read nothing, as one source does (an IndexError once)
+    none = train[np.zeros(0, dtype=np.int64)]
+    assert none["inputs"].shape == none["targets"].shape == (0, 16)
+    assert train.row_weight_sums(np.zeros(0, dtype=np.int64)).shape == (0,)
 
 
 def test_the_counts_at_a_far_block_need_no_walk_kept_in_memory():
