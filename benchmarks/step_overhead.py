@@ -3,11 +3,15 @@
 (a) jaxkit's training loop against a minimal hand-written `jax.jit` loop (plain dict
     params + optax.adamw, the same model maths, the same batches): examples/s ratio,
     target >= 0.95.
+    Beside it, the two compiled step programs alone, called in turn step by step on the
+    same batches and each waited for: their FLOPs and their time ratio, which tells the
+    programs' cost from the loops' (on simulated CPU devices a call returns when its step
+    is done, so neither loop overlaps host work with the devices').
 (b) K micro-steps of per-device batch b against one step of K·b (both jaxkit):
     time per optimizer step ratio, target <= 1.15.
 
 Run: python benchmarks/step_overhead.py [--host-devices 8] [--steps 30] [--repeats 3]
-     [--loop-repeats 7] [--loop-only]
+     [--loop-repeats 7] [--program-steps 60] [--loop-only]
 Prints a table and writes benchmarks/results/step_overhead.json.
 """
 
@@ -26,6 +30,9 @@ parser.add_argument("--host-devices", type=int, default=8)
 parser.add_argument("--steps", type=int, default=30, help="optimizer steps per timed run")
 parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant in (b)")
 parser.add_argument("--loop-repeats", type=int, default=7, help="paired runs in (a)")
+parser.add_argument(
+    "--program-steps", type=int, default=60, help="steps of each program timed alone in (a)"
+)
 parser.add_argument("--loop-only", action="store_true", help="(a) alone")
 parser.add_argument(
     "--out", default=str(pathlib.Path(__file__).parent / "results" / "step_overhead.json")
@@ -103,8 +110,9 @@ def forward(params, tokens, num_heads):
     return dense(layer_norm(x, params["ln_final"]), params["head"])
 
 
-def handwritten_step_time(config, steps: int) -> tuple[float, float]:
-    """Median seconds per step of a bare jit loop; also its initial loss for a sanity check."""
+def handwritten(config):
+    """The bare loop's pieces: its initial params and optimizer state (jaxkit's init, as
+    plain dicts), its loss and its jitted step."""
     mesh = make_mesh(config.mesh.to_dict())
     plan = plan_from_config(config, mesh_shape(mesh))
     assert plan.grad_accum_steps == 1
@@ -124,6 +132,12 @@ def handwritten_step_time(config, steps: int) -> tuple[float, float]:
         updates, o = tx.update(grads, o, p)
         return optax.apply_updates(p, updates), o, loss
 
+    return mesh, plan, params, opt_state, loss_fn, step
+
+
+def handwritten_step_time(config, steps: int) -> tuple[float, float]:
+    """Median seconds per step of a bare jit loop; also its initial loss for a sanity check."""
+    mesh, plan, params, opt_state, loss_fn, step = handwritten(config)
     source, _ = make_sources(config)
     sharding = batch_sharding(mesh)
     first = load_micro_batch(source, 0, 0, plan, 0, sharding)
@@ -141,6 +155,46 @@ def handwritten_step_time(config, steps: int) -> tuple[float, float]:
         pending = loss
     float(pending)
     return statistics.median(times[1:]), init_loss
+
+
+def flops(compiled) -> float:
+    analysis = compiled.cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+
+def program_times(config, steps: int) -> dict:
+    """The kit's compiled step and the bare loop's, called in turn on the same batches,
+    each waited for: median seconds per step of each, their ratio and FLOPs per step."""
+    mesh, plan, params, opt_state, _, step = handwritten(config)
+    setup = build(config, plan, mesh)
+    state, hyper = setup.init(jax.random.key(0)), setup.hyper(plan)
+    source, _ = make_sources(config)
+    batches = [
+        load_micro_batch(source, i * plan.global_batch_size, 0, plan, 0, setup.batch_sharding)
+        for i in range(4)
+    ]
+    bare = [{k: b[k] for k in ("inputs", "targets")} for b in batches]
+    kit = setup.step.lower(state, batches[0], hyper).compile()
+    hand = step.lower(params, opt_state, bare[0]).compile()
+    kit_times, hand_times = [], []
+    for i in range(steps + 2):  # the first two calls of each are left out
+        start = time.perf_counter()
+        state, metrics = kit(state, batches[i % 4], hyper)
+        jax.block_until_ready((state, metrics))
+        middle = time.perf_counter()
+        params, opt_state, loss = hand(params, opt_state, bare[i % 4])
+        jax.block_until_ready((params, opt_state, loss))
+        kit_times.append(middle - start)
+        hand_times.append(time.perf_counter() - middle)
+    kit_s, hand_s = statistics.median(kit_times[2:]), statistics.median(hand_times[2:])
+    return {
+        "steps": steps,
+        "jaxkit_step_s": kit_s,
+        "handwritten_step_s": hand_s,
+        "ratio": hand_s / kit_s,
+        "jaxkit_flops_per_step": flops(kit),
+        "handwritten_flops_per_step": flops(hand),
+    }
 
 
 def main() -> None:
@@ -175,6 +229,7 @@ def main() -> None:
     assert abs(hand_loss - jaxkit_loss) < 1e-5 * jaxkit_loss, (hand_loss, jaxkit_loss)
     hand, jk = statistics.median(hand_times), statistics.median(jk_times)
     loop_ratio = statistics.median(pair_ratios)
+    programs = program_times(base, args.program_steps)
 
     accum_rows = []
     for k in () if args.loop_only else (4, 8):
@@ -203,6 +258,7 @@ def main() -> None:
             "ratio": loop_ratio,
             "pair_ratios": pair_ratios,
             "target": ">= 0.95",
+            "programs_alone": programs,
         },
         "accumulation_vs_big_batch": [
             {
@@ -225,6 +281,14 @@ def main() -> None:
         f"(a) loop: hand-written jit {g / hand:8.1f} examples/s | jaxkit {g / jk:8.1f} "
         f"examples/s | ratio {loop_ratio:.3f} (median of {len(pair_ratios)} pairs, "
         f"range {min(pair_ratios):.3f}-{max(pair_ratios):.3f}; target >= 0.95)"
+    )
+    print(
+        f"    programs alone, in turn step by step: hand-written "
+        f"{programs['handwritten_step_s'] * 1e3:.1f} ms | jaxkit "
+        f"{programs['jaxkit_step_s'] * 1e3:.1f} ms | ratio {programs['ratio']:.3f} (median of "
+        f"{programs['steps']} steps; GFLOP per step "
+        f"{programs['handwritten_flops_per_step'] / 1e9:.3f} and "
+        f"{programs['jaxkit_flops_per_step'] / 1e9:.3f})"
     )
     for k, small, big in accum_rows:
         print(
