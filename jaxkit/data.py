@@ -12,6 +12,7 @@ same global batch sees the same examples at every optimizer step.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -416,9 +417,36 @@ def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySou
     )
 
 
-@functools.lru_cache(maxsize=16)  # two epochs of each of a few mixed sources
+# The epoch orders last read: the two latest epochs of each (source size, seed), for the
+# 64 last read. A batch reads at most two epochs of any source, so a mixture of up to 64
+# sources draws each order once, where one cache of a fixed number of orders for all
+# sources would draw them again for every batch of a mixture with more sources than it holds.
+_EPOCHS_KEPT, _SOURCES_KEPT = 2, 64
+_permutations: collections.OrderedDict[tuple[int, int], collections.OrderedDict] = (
+    collections.OrderedDict()
+)
+_permutations_lock = threading.Lock()  # the prefetch thread reads rows beside the loop
+
+
 def _epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+    """Epoch `epoch`'s order of a source's `num_rows` rows under `seed`."""
+    key = (num_rows, seed)
+    with _permutations_lock:
+        epochs = _permutations.get(key)
+        if epochs is not None and epoch in epochs:
+            _permutations.move_to_end(key)
+            epochs.move_to_end(epoch)
+            return epochs[epoch]
+    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    with _permutations_lock:
+        epochs = _permutations.setdefault(key, collections.OrderedDict())
+        epochs[epoch] = order
+        _permutations.move_to_end(key)
+        while len(epochs) > _EPOCHS_KEPT:
+            epochs.popitem(last=False)
+        while len(_permutations) > _SOURCES_KEPT:
+            _permutations.popitem(last=False)
+    return order
 
 
 def rows_of_examples(examples: np.ndarray, num_rows: int, seed: int) -> np.ndarray:

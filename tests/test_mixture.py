@@ -126,6 +126,26 @@ def test_each_source_reads_its_own_seeded_stream_epoch_after_epoch(dirs):
         assert sorted(code[epoch * rows : (epoch + 1) * rows]) == list(range(rows))
 
 
+def test_a_mixture_of_many_sources_draws_each_epoch_order_once(monkeypatch):
+    """Every source's rows in a batch come from its epochs' orders (permutations). Reading
+    batches of 12 sources over and over draws each source's two orders once: a cache of a
+    fixed 16 orders for all sources drew all 24 again for every batch."""
+    draws = []
+    default_rng = np.random.default_rng
+
+    def counting(seed):
+        draws.append(tuple(seed))
+        return default_rng(seed)
+
+    monkeypatch.setattr(np.random, "default_rng", counting)
+    sizes = [101 + s for s in range(12)]  # sizes and seeds no other test reads
+    for _ in range(3):  # three batches, each reading every source's epochs 0 and 1
+        for s, size in enumerate(sizes):
+            rows = data_lib.rows_of_examples(np.arange(size - 5, size + 5), size, 9_000 + s)
+            assert sorted(rows[:5]) == sorted(default_rng([9_000 + s, 0]).permutation(size)[-5:])
+    assert len(draws) == 2 * len(sizes) and len(set(draws)) == len(draws)
+
+
 def test_a_resume_reads_the_rows_of_an_uninterrupted_run(dirs):
     """Rows read in steps of 24 from a cold start at 4 positions (a new process each: new
     sources, nothing cached) are those one uninterrupted read gives, in order, across a
