@@ -16,7 +16,8 @@ from test_cli import jaxkit as jaxkit_process
 from jaxkit import targets
 from jaxkit.targets import TargetError, parse_target, target_devices
 
-TINY = ["lm_tiny", *SMALL_LM]
+# The tiny LM shrunk further, at a global batch of 16: two splits on 8 chips (b = 2, 1).
+TINY = ["lm_tiny", *SMALL_LM, "batch.global_batch_size=16", "batch.per_device_batch_size=2"]
 
 GiB = 2**30
 
@@ -113,7 +114,8 @@ def test_plan_for_a_multi_host_slice_splits_rows_over_hosts():
 
 
 def test_all_splits_on_a_target_use_its_hbm_and_the_tpu_compiler():
-    # The tiny LM shrunk further: four TPU compiles (b = 8, 4, 2, 1), each a third as long.
+    # Two TPU compiles (b = 2, 1; lm_tiny's own batch of 64 took four, b = 8, 4, 2, 1);
+    # the second plan reads them back from the plan cache.
     out = jaxkit("plan", *TINY, "--target", "v5litepod-8", "--all-splits", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -121,6 +123,7 @@ def test_all_splits_on_a_target_use_its_hbm_and_the_tpu_compiler():
     assert result["memory_budget_bytes"] == 16 * GiB
     splits = result["splits"]
     assert {s["devices"] for s in splits} == {8}  # the slice, not pieces of it
+    assert sorted(s["per_device_batch_size"] for s in splits) == [1, 2]
     # Every split fits 16 GiB for a model this small: the largest per-device batch wins.
     largest = max(splits, key=lambda s: s["per_device_batch_size"])
     assert result["recommended"]["per_device_batch_size"] == largest["per_device_batch_size"]
@@ -174,10 +177,15 @@ def test_bad_target_requests_are_refused_before_compiling(args, message):
     assert "error:" in out.stderr and message in out.stderr and "Traceback" not in out.stderr
 
 
-def test_memory_experiment_on_a_target(tmp_path):
+def test_memory_experiment_on_a_target(tmp_path, monkeypatch):
+    from jaxkit.experiments import memory
+
+    # What the report says of the slice is the claim: one batch and K = 1 (a TPU compile of
+    # MultiSteps' step and one of the fused step), not seven compiles of a wider sweep.
+    monkeypatch.setattr(memory, "ACCUM_SWEEP", (1,))
     out = jaxkit(
         "experiment", "memory", "mlp_digits", "--target", "v5litepod-8",
-        "--max-per-device-batch", "2", "--out", str(tmp_path / "m"),
+        "--max-per-device-batch", "1", "--out", str(tmp_path / "m"),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     report = (tmp_path / "m" / "report.md").read_text()
