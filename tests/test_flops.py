@@ -180,9 +180,13 @@ def test_plan_compares_remat_policies_per_split(tmp_path):
             none["model_flops_per_step"], rel=0.05
         )
         assert full["hardware_flops_per_step"] > 1.15 * none["hardware_flops_per_step"]
-    # Without --remat, the config's own policy, in the JSON too.
-    one = jaxkit(*args, "model.remat=dots", "--all-splits", "--device-counts", "8", "--json")
-    assert {s["remat"] for s in json.loads(one.stdout)["splits"]} == {"dots"}
+    # Without --remat, the config's own policy, in the JSON too (one split: 8 × 1 row).
+    one = jaxkit(
+        *args,
+        *("batch.global_batch_size=8", "batch.per_device_batch_size=1", "model.remat=dots"),
+        *("--all-splits", "--device-counts", "8", "--json"),
+    )
+    assert [s["remat"] for s in json.loads(one.stdout)["splits"]] == ["dots"]
     for bad, said in [
         (["--all-splits", "--remat", "some"], "'some' is not a policy"),
         (["--remat", "full"], "--remat applies only with --all-splits or --max-per-device-batch"),
