@@ -1,5 +1,8 @@
-"""Crashes and preemptions, through real subprocesses and real signals."""
+"""Crashes and preemptions, through real subprocesses and real signals. The runs that
+nothing interrupts (the references, and the last attempt that finishes a run) train in the
+test's process."""
 
+import functools
 import json
 import os
 import random
@@ -13,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from cli_run import jaxkit
 
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import Checkpointer, abstract_state
@@ -66,10 +70,14 @@ def start(workdir):
 
 
 def finish(workdir):
-    proc = start(workdir)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    return out
+    """The run to its end, and its output. In this process (8 devices, as `--host-devices 8`
+    gives a new one): nothing interrupts it. It saves only at its end, the checkpoint its
+    final state is read from: nothing kills it in a save, and each save costs about 0.3 s
+    of CPU (checkpoint.every may change on a resume)."""
+    args = ["lm_tiny", *OVERRIDES, "checkpoint.every=0", "--workdir", str(workdir)]
+    done = jaxkit("train", *args, "--no-progress")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
 
 
 def wait_for(predicate, timeout=120):
@@ -86,15 +94,20 @@ def logged_steps(workdir):
     return sum('"loss"' in line for line in lines)
 
 
-def final_state(workdir):
+@functools.cache
+def abstract_train_state():
+    """The train state's shapes and shardings, that a checkpoint restores into: one build."""
     config = load_config("lm_tiny")
     apply_overrides(config, OVERRIDES)
     mesh = make_mesh(config.mesh.to_dict())
-    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    return abstract_state(build(config, plan_from_config(config, mesh_shape(mesh)), mesh))
+
+
+def final_state(workdir):
     ckpt = Checkpointer(workdir / "checkpoints", keep=2, warn=print)
     last = ckpt.steps()[-1]
     assert last == STEPS  # the final checkpoint, keyed by optimizer steps
-    state = ckpt.restore(last, abstract_state(setup))
+    state = ckpt.restore(last, abstract_train_state())
     ckpt.close()
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
 
@@ -210,9 +223,13 @@ def test_sigterm_on_2_then_8_then_8_devices_finishes_every_step_once(tmp_path):
             env=dict(os.environ, PYTHONPATH=ROOT),
         )
 
-    reference = launch(tmp_path / "reference", 8)
-    out, _ = reference.communicate(timeout=300)
-    assert reference.returncode == 0, out
+    # The uninterrupted run, and the last attempt (no signal), in this process: 8 devices,
+    # as `--host-devices 8` gives a new one. The uninterrupted run saves only at its end.
+    done = jaxkit(
+        "train", *run, "checkpoint.every=0", "--workdir", str(tmp_path / "reference"),
+        "--no-progress",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
     workdir = tmp_path / "moved"
     for devices in (2, 8):
         proc = launch(workdir, devices)
@@ -221,9 +238,8 @@ def test_sigterm_on_2_then_8_then_8_devices_finishes_every_step_once(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0 and "stopped by SIGTERM" in out, out
-    proc = launch(workdir, 8)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    done = jaxkit("train", *run, "--workdir", str(workdir), "--no-progress")
+    assert done.returncode == 0, done.stdout + done.stderr
     records = [r for r in read_metrics(workdir) if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, steps + 1))  # each once, in order
     expected = [r["loss"] for r in read_metrics(tmp_path / "reference") if "loss" in r]
