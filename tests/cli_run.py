@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import warnings
+from unittest import mock
 
 import jax
 
@@ -29,10 +30,16 @@ _JAX_OPTIONS = (
 )
 
 
-def jaxkit(*args: str, cwd: str | os.PathLike[str] = ROOT) -> subprocess.CompletedProcess[str]:
+def jaxkit(
+    *args: str, cwd: str | os.PathLike[str] = ROOT, before_jax: bool = False
+) -> subprocess.CompletedProcess[str]:
     """Runs `jaxkit ARGS` from `cwd` (the repository root, as test_cli.jaxkit's process
-    does), and returns its exit status, stdout and stderr as that process would."""
-    if "--host-devices" in args:
+    does), and returns its exit status, stdout and stderr as that process would.
+
+    `before_jax`: a line the command refuses before it starts JAX, which may then set a
+    device count (--host-devices takes effect only as JAX starts): a command that gets as
+    far as starting JAX raises AssertionError instead."""
+    if "--host-devices" in args and not before_jax:
         raise ValueError("--host-devices sets the device count before JAX starts: use a process")
     out, err = io.StringIO(), io.StringIO()
     options = {name: getattr(jax.config, name) for name in _JAX_OPTIONS}
@@ -40,7 +47,12 @@ def jaxkit(*args: str, cwd: str | os.PathLike[str] = ROOT) -> subprocess.Complet
     show = warnings.showwarning
     try:
         os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(contextlib.redirect_stdout(out))
+            stack.enter_context(contextlib.redirect_stderr(err))
+            if before_jax:
+                started = AssertionError(f"jaxkit {' '.join(args)}: JAX started before a refusal")
+                stack.enter_context(mock.patch.object(cli, "_start_jax", side_effect=started))
             try:
                 code = cli.main(list(args))
             except SystemExit as exit_:  # argparse's usage errors

@@ -34,6 +34,12 @@ def run(*args):
     return jaxkit(*args) if "--host-devices" in args else cli_run.jaxkit(*args)
 
 
+def refused(*args):
+    """`jaxkit ARGS` in this process, for a line refused before JAX starts (a command that
+    starts it fails the test): a device count on the line never takes effect."""
+    return cli_run.jaxkit(*args, before_jax=True)
+
+
 def test_plan_json_on_a_good_config():
     out = run("plan", "lm_tiny", "--host-devices", "4", "--json")
     assert out.returncode == 0, out.stderr
@@ -65,13 +71,14 @@ def test_plan_table_and_overrides():
 
 
 def test_plan_errors_exit_nonzero_with_the_reason():
-    bad = run("plan", "mlp_digits", "batch.global_batch_size=30", "--host-devices", "8", "--json")
+    # On this process's 8 devices (conftest), as `--host-devices 8` gives a new one.
+    bad = run("plan", "mlp_digits", "batch.global_batch_size=30", "--json")
     assert bad.returncode == 2 and bad.stdout == ""
     assert "data_parallel_size × per_device_batch_size × grad_accum_steps" in bad.stderr
     assert "32, 64" in bad.stderr
     typo = run("plan", "mlp_digits", "batch.per_device=4")
     assert typo.returncode == 2 and "batch.per_device_batch_size" in typo.stderr
-    mesh = run("plan", "mlp_digits", "mesh.data=3", "--host-devices", "8")
+    mesh = run("plan", "mlp_digits", "mesh.data=3")
     assert mesh.returncode == 2 and "8 are available" in mesh.stderr
 
 
@@ -96,8 +103,12 @@ def test_train_writes_config_plan_and_metrics(tmp_path):
         "train.eval_examples=32",
         "--workdir",
         str(workdir),
-        "data.max_bytes=100000",
+        "data.max_bytes=20000",
         "model.num_layers=1",
+        "model.d_model=32",
+        "model.num_heads=2",
+        "model.mlp_dim=64",
+        "data.seq_len=16",
         "--allow-longer",  # nothing to extend in a new run; the flag reaches loop.train
     )
     assert out.returncode == 0, out.stderr
@@ -122,7 +133,7 @@ def test_train_writes_config_plan_and_metrics(tmp_path):
     ):
         assert key in train_records[0], key
     assert train_records[1]["micro_step"] == 8 and train_records[1]["examples_seen"] == 256
-    assert train_records[1]["tokens_seen"] == 256 * 128
+    assert train_records[1]["tokens_seen"] == 256 * 16
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["eval_loss"] == eval_records[-1]["eval_loss"] and summary["unigram_entropy"] > 2
 
@@ -146,13 +157,15 @@ def _refused(out, *fragments):
 
 
 def test_all_splits_says_which_device_counts_it_left_out_and_why():
-    # mesh.data=8 fits only 8 of the 8, 4, 2, 1 devices --all-splits considers.
-    out = run("plan", "mlp_digits", "mesh.data=8", "--all-splits")
+    # mesh.data=8 fits only 8 of the 8, 4, 2, 1 devices --all-splits considers; a global
+    # batch of 8 has one split there to compile.
+    one_split = ("batch.global_batch_size=8", "batch.per_device_batch_size=1")
+    out = run("plan", "mlp_digits", "mesh.data=8", *one_split, "--all-splits")
     assert out.returncode == 0, out.stderr
     assert "every split on 8 cpu devices" in out.stdout
     for n in (4, 2, 1):
         assert f"left out: {n} devices (mesh data=8 × fsdp=1 × tensor=1 has" in out.stdout
-    out = run("plan", "mlp_digits", "mesh.data=8", "--all-splits", "--json")
+    out = run("plan", "mlp_digits", "mesh.data=8", *one_split, "--all-splits", "--json")
     assert sorted(json.loads(out.stdout)["left_out_device_counts"]) == ["1", "2", "4"]
     # None of the counts asked for: refused, each count with its reason.
     out = run("plan", "mlp_digits", "mesh.data=8", "--all-splits", "--device-counts", "4,2")
@@ -193,7 +206,7 @@ def test_experiment_train_and_report_options_anywhere_on_the_line(tmp_path):
         str(tmp_path / "exp"),
     )
     _refused(out, "split 3×3×1 makes a global batch of 9, not the config's 32")
-    out = run(
+    out = refused(
         "train",
         "--no-progress",
         "mlp_digits",
@@ -251,7 +264,7 @@ def test_bad_values_are_refused_before_any_work(tmp_path, command, override, mes
         "train": ["train", "mlp_digits", override, "--workdir", out_dir],
         "experiment": ["experiment", "equivalence", "mlp_digits", override, "--out", out_dir],
     }[command]
-    out = run(*line, "--host-devices", "2")
+    out = refused(*line, "--host-devices", "2")
     _refused(out, f"jaxkit: error: {message}")
     assert out.stdout == "" and not (tmp_path / "r").exists()
 
@@ -325,7 +338,8 @@ def test_heads_and_uneven_shards_are_refused_before_compiling(tmp_path):
     ],
 )
 def test_usage_errors_exit_2_without_a_traceback(line, message):
-    _refused(run(*line), message)
+    # The lines that give --host-devices are refused as they are parsed, before JAX starts.
+    _refused(refused(*line) if "--host-devices" in line else run(*line), message)
 
 
 def test_unwritable_output_directories_are_refused_first(tmp_path):
