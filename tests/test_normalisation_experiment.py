@@ -44,15 +44,19 @@ def first_step_losses(overrides, accums):
     """Step 1's exact loss and each K's naive one, from the initial params' forward pass on
     the global batch: Σ w·loss / Σ w, and the mean over K micro-batches of the same."""
     config = load_config("lm_tiny")
-    apply_overrides(config, [*SMALL, *overrides, "batch.per_device_batch_size=32"])
-    mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:1])
+    # The 8×4×1 split's mesh and plan: its init program, which the experiment compiled,
+    # comes from the compile cache (every split starts from the same params).
+    apply_overrides(config, [*SMALL, *overrides, "batch.per_device_batch_size=4"])
+    mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:8])
     setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
     params = jax.device_get(setup.init(jax.random.key(config.train.seed)).params)
     with nnx.use_eager_sharding(False):
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
     source, _ = make_sources(config)
     batch = source[global_batch_rows(0, 32, len(source), config.train.seed)]
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    # One compiled forward pass on one device, not an op at a time.
+    forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
+    logits = forward(jax.device_put(params, jax.devices()[0]), batch["inputs"])
     token_loss = np.asarray(
         optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), np.float64
     )
