@@ -3,8 +3,6 @@ trajectory on any device count, resume across a stage boundary, and the auto ram
 
 import json
 import math
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -206,16 +204,28 @@ def test_a_ramp_scales_each_stage_from_the_base_rate_when_the_reference_is_anoth
     assert rates == pytest.approx([peaks[32], peaks[64], peaks[128]], rel=1e-6)
 
 
-def test_a_ramped_run_compiles_its_step_once_and_logs_each_steps_batch(monkeypatch):
-    compiles = []
+@pytest.fixture(scope="module")
+def ramped_runs():
+    """The ramp trained once for the module on the 8 devices, MultiSteps and fused: each
+    run's result and the K of each step it compiled (the tests only read them)."""
     original = costs.compile_setup_step
 
-    def counting(*args, **kwargs):
-        compiles.append(args[1].grad_accum_steps)
-        return original(*args, **kwargs)
+    def counted(accumulation):
+        compiles = []
 
-    monkeypatch.setattr(costs, "compile_setup_step", counting)
-    result = quiet(ramped())
+        def counting(*args, **kwargs):
+            compiles.append(args[1].grad_accum_steps)
+            return original(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(costs, "compile_setup_step", counting)
+            return quiet(ramped(f"train.accumulation={accumulation}")), compiles
+
+    return {accumulation: counted(accumulation) for accumulation in ("multisteps", "fused")}
+
+
+def test_a_ramped_run_compiles_its_step_once_and_logs_each_steps_batch(ramped_runs):
+    result, compiles = ramped_runs["multisteps"]
     assert len(compiles) == 1  # K is an argument of the one MultiSteps program
     records = train_records(result)
     assert [r["global_batch_size"] for r in records] == [32] * 8 + [64] * 6 + [128] * 2
@@ -224,8 +234,7 @@ def test_a_ramped_run_compiles_its_step_once_and_logs_each_steps_batch(monkeypat
     assert records[-1]["micro_step"] == 8 * 1 + 6 * 2 + 2 * 4
     assert result.summary["batch_schedule"]["stages"][2]["steps"] == 2
 
-    compiles.clear()  # fused: K is the batch's leading dimension, one program per K
-    quiet(ramped("train.accumulation=fused"))
+    _, compiles = ramped_runs["fused"]  # K is the batch's leading dimension, one program per K
     assert compiles == [1, 2, 4]
 
 
@@ -243,16 +252,16 @@ def assert_same_trajectory(a, b):
         np.testing.assert_allclose(x, y, atol=PARAM_ATOL)
 
 
-def test_a_ramped_run_follows_one_trajectory_on_8_and_4_devices_and_fused():
-    eight = quiet(ramped())
+def test_a_ramped_run_follows_one_trajectory_on_8_and_4_devices_and_fused(ramped_runs):
+    eight = ramped_runs["multisteps"][0]
     four = quiet(ramped(), devices=jax.devices()[:4])  # micro-batch 16: K = 2, 4, 8
     assert [r["grad_accum_steps"] for r in train_records(four)] == [2] * 8 + [4] * 6 + [8] * 2
     assert_same_trajectory(eight, four)
-    assert_same_trajectory(eight, quiet(ramped("train.accumulation=fused")))
+    assert_same_trajectory(eight, ramped_runs["fused"][0])
 
 
-def test_a_ramped_run_resumes_across_stage_boundaries_on_other_device_counts(tmp_path):
-    reference = quiet(ramped(), workdir=tmp_path / "ref")
+def test_a_ramped_run_resumes_across_stage_boundaries_on_other_device_counts(tmp_path, ramped_runs):
+    reference = ramped_runs["multisteps"][0]  # uninterrupted, on the 8 devices
     work = tmp_path / "moved"
     # Stage 1 (K = 2 on 8 devices) starts at micro-step 8: stop in the middle of step 10.
     first = quiet(ramped(), workdir=work, stop_after_micro_steps=8 + 2 * 2 + 1)
@@ -316,9 +325,17 @@ def auto(*overrides):
     )
 
 
-def test_auto_ramp_decisions_are_the_rule_applied_to_the_logged_noise_scale(tmp_path):
-    result = quiet(auto(), workdir=tmp_path)
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    """The auto ramp trained once for the module, uninterrupted, with a workdir: its result
+    and workdir (the tests only read them)."""
+    workdir = tmp_path_factory.mktemp("auto") / "whole"
+    return quiet(auto(), workdir=workdir), workdir
+
+
+def test_auto_ramp_decisions_are_the_rule_applied_to_the_logged_noise_scale(auto_run):
+    result, workdir = auto_run
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     changes = [r for r in lines if r.get("event") == "batch_change"]
     assert changes, "mlp_digits' B_simple (~60-150 rows) should exceed a batch of 32"
     records = [r for r in lines if "loss" in r]
@@ -336,8 +353,8 @@ def test_auto_ramp_decisions_are_the_rule_applied_to_the_logged_noise_scale(tmp_
     assert result.summary["examples_seen"] == records[-1]["examples_seen"]
 
 
-def test_a_resumed_auto_run_makes_the_same_decisions(tmp_path):
-    whole = quiet(auto(), workdir=tmp_path / "whole")
+def test_a_resumed_auto_run_makes_the_same_decisions(tmp_path, auto_run):
+    whole, whole_dir = auto_run
     work = tmp_path / "stopped"
     # Mid-step stops in steps 3, 7 and 11: the first two resume from checkpoints taken one
     # sample above the batch into the patience of 2 (mlp_digits' B_simple is ~90 early, above
@@ -351,7 +368,7 @@ def test_a_resumed_auto_run_makes_the_same_decisions(tmp_path):
         changes = [(r["step"], r["global_batch_size"]) for r in lines if "event" in r]
         return changes, [(r["step"], r["global_batch_size"]) for r in lines if "loss" in r]
 
-    assert history(work) == history(tmp_path / "whole")
+    assert history(work) == history(whole_dir)
     # The same device count and split: the resumed run repeats the same arithmetic.
     for x, y in zip(final_params(whole), final_params(last), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -389,21 +406,16 @@ def test_auto_without_noise_scale_samples_is_refused_in_one_line_before_any_work
 
 
 def test_plan_prints_the_stage_table_and_json():
-    args = ["mlp_digits", "batch.global_batch_size=null", f"batch.schedule={RAMP}"]
-    base = [sys.executable, "-m", "jaxkit", "plan", "--host-devices", "8"]
-    table = subprocess.run(
-        [*base, *args, "train.steps=10"], capture_output=True, text=True, timeout=300, check=True
-    )
+    from cli_run import jaxkit  # in-process, on its 8 devices (as `--host-devices 8` gives)
+
+    args = ["plan", "mlp_digits", "batch.global_batch_size=null", f"batch.schedule={RAMP}"]
+    table = jaxkit(*args, "train.steps=10")
+    assert table.returncode == 0, table.stderr
     assert "batch schedule (scheduled" in table.stdout
     row = next(line for line in table.stdout.splitlines() if line.startswith("2 "))
     assert [c.strip() for c in row.split("|")] == ["2", "640", "128", "4", "0.003", "not reached"]
-    out = subprocess.run(
-        [*base, "--json", *args, "train.steps=30"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    out = jaxkit(*args, "--json", "train.steps=30")
+    assert out.returncode == 0, out.stderr
     stages = json.loads(out.stdout)["batch_schedule"]["stages"]
     assert [(s["examples"], s["grad_accum_steps"], s["steps"]) for s in stages] == [
         (0, 1, 8),
