@@ -65,9 +65,7 @@ def full_k1(tmp_path_factory):
 
 def finished_in(workdir, full_k1):
     """The finished 6-step digits() run, copied into `workdir` as if it had run there."""
-    finished, finished_dir = full_k1
-    shutil.copytree(finished_dir, workdir, dirs_exist_ok=True)
-    return finished
+    return copied(full_k1, workdir)
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +75,57 @@ def full_k4(tmp_path_factory):
     return run(digits("batch.per_device_batch_size=1"), workdir), workdir
 
 
+@pytest.fixture(scope="module")
+def full_8_steps(tmp_path_factory):
+    """digits(8 steps, no eval before the end) on 8 devices, K = 1: the trajectory that the
+    runs moved between device counts over 8 steps follow."""
+    workdir = tmp_path_factory.mktemp("full_8_steps")
+    return run(digits("train.steps=8", "train.eval_every=0"), workdir)
+
+
+# Runs stopped part-way that several tests resume, each from a copy (a stopped run is its
+# workdir's files), trained once for the module.
+@pytest.fixture(scope="module")
+def cut_k1(tmp_path_factory):
+    """digits() on 8 devices stopped after 2 optimizer steps; its workdir."""
+    workdir = tmp_path_factory.mktemp("cut_k1")
+    return run(digits(), workdir, stop_after_micro_steps=2), workdir
+
+
+@pytest.fixture(scope="module")
+def cut_k4(tmp_path_factory):
+    """digits(per-device batch 1) on 8 devices (K = 4) stopped 2 micro-steps into step 3:
+    step_2 holds the half-step; its workdir."""
+    workdir = tmp_path_factory.mktemp("cut_k4")
+    config = digits("batch.per_device_batch_size=1")
+    return run(config, workdir, stop_after_micro_steps=10), workdir
+
+
+@pytest.fixture(scope="module")
+def cut_every_2(tmp_path_factory):
+    """digits(a checkpoint every 2 steps, 5 kept) stopped after 4 steps; its workdir."""
+    workdir = tmp_path_factory.mktemp("cut_every_2")
+    config = digits("checkpoint.every=2", "checkpoint.keep=5")
+    return run(config, workdir, stop_after_micro_steps=4), workdir
+
+
+def copied(fixture_run, workdir):
+    """A module run's workdir copied into `workdir`, as if it had run there; its result."""
+    result, source = fixture_run
+    shutil.copytree(source, workdir, dirs_exist_ok=True)
+    return result
+
+
 def same_records(a_dir, b_dir):
     a, b = read_metrics(a_dir), read_metrics(b_dir)
     strip = lambda r: {k: r[k] for k in (*COMPARED, "eval_loss") if k in r}  # noqa: E731
     return [strip(r) for r in a] == [strip(r) for r in b]
 
 
-def test_resume_mid_accumulation_is_bitwise_identical(tmp_path, full_k4):
+def test_resume_mid_accumulation_is_bitwise_identical(tmp_path, full_k4, cut_k4):
     config = digits("batch.per_device_batch_size=1")  # 8 devices × 1 × K=4
     full, full_dir = full_k4
-    stopped = run(config, tmp_path / "cut", stop_after_micro_steps=10)  # step 2, micro 2 of 4
+    stopped = copied(cut_k4, tmp_path / "cut")  # stopped at step 2, micro 2 of 4
     assert stopped.stopped and int(stopped.state.opt_state.mini_step) == 2
     ckpt = Checkpointer(tmp_path / "cut" / "checkpoints", keep=3, warn=print)
     assert ckpt.steps() == [2]  # keyed by optimizer steps done; the half-step is in the record
@@ -104,9 +143,10 @@ def test_resume_at_a_boundary_on_fewer_devices_re_derives_accumulation(tmp_path,
     config = digits()  # global 32, per-device 4: K = 1 on 8 devices, 2 on 4, 4 on 2
     full, _ = full_k1
     full_losses = np.array([r["loss"] for r in full.records if "loss" in r])
+    run(config, tmp_path / "cut", stop_after_micro_steps=3)  # after 3 optimizer steps on 8
     for devices, k in ((4, 2), (2, 4)):
         workdir = tmp_path / f"to{devices}"
-        run(config, workdir, stop_after_micro_steps=3)  # after 3 optimizer steps on 8
+        shutil.copytree(tmp_path / "cut", workdir)  # each resumes the same stopped run
         resumed = run(config, workdir, devices=devices)
         assert resumed.plan.grad_accum_steps == k
         assert int(resumed.state.micro_step) == 3 + 3 * k  # micro-steps in all, both splits
@@ -151,8 +191,8 @@ def test_a_changed_global_batch_is_refused_unless_allowed(tmp_path):
     assert change["learning_rate"] == pytest.approx(6e-3)
 
 
-def test_a_conflicting_config_is_refused_with_a_diff(tmp_path):
-    run(digits(), tmp_path, stop_after_micro_steps=2)
+def test_a_conflicting_config_is_refused_with_a_diff(tmp_path, cut_k1):
+    copied(cut_k1, tmp_path)
     with pytest.raises(CheckpointError) as err:
         run(digits("optimizer.learning_rate=0.01", "train.seed=3"), tmp_path)
     message = str(err.value)
@@ -160,10 +200,10 @@ def test_a_conflicting_config_is_refused_with_a_diff(tmp_path):
     assert "train.seed: 0 (saved) -> 3" in message
 
 
-def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path, full_k1, cut_every_2):
     config = digits("checkpoint.every=2", "checkpoint.keep=5")
-    full = run(config, tmp_path / "full")
-    run(config, tmp_path / "cut", stop_after_micro_steps=4)
+    full, _ = full_k1  # uninterrupted, and saved only at its end
+    copied(cut_every_2, tmp_path / "cut")  # stopped after 4 steps
     ckpt_dir = tmp_path / "cut" / "checkpoints"
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_2", "step_4"]
     for file in (ckpt_dir / "step_4" / "state").rglob("*"):
@@ -177,8 +217,8 @@ def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_checkpoint_of_another_model_shape_is_refused_and_left_alone(tmp_path):
-    run(digits(), tmp_path, stop_after_micro_steps=2)
+def test_a_checkpoint_of_another_model_shape_is_refused_and_left_alone(tmp_path, cut_k1):
+    copied(cut_k1, tmp_path)
     other = digits("model.hidden_size=64")
     mesh = make_mesh(other.mesh.to_dict())
     setup = build(other, plan_from_config(other, mesh_shape(mesh)), mesh)
@@ -202,9 +242,11 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, full_k1):
         np.testing.assert_array_equal(a, b)
 
 
-def test_checkpoints_move_between_multisteps_and_fused_at_step_boundaries(tmp_path):
+def test_checkpoints_move_between_multisteps_and_fused_at_step_boundaries(tmp_path, full_k1):
     config = digits("batch.per_device_batch_size=2")  # 8 × 2 × K=2
-    full = run(config, tmp_path / "full")
+    # The uninterrupted run at K = 1: K = 2, multisteps or fused, sums the same gradients in
+    # another order (LOSS_RTOL and PARAM_ATOL's round-off).
+    full, _ = full_k1
     run(config, tmp_path / "moved", stop_after_micro_steps=6)  # a boundary: 3 steps of 2
     fused = run(
         digits("batch.per_device_batch_size=2", "train.accumulation=fused"), tmp_path / "moved"
@@ -256,12 +298,12 @@ def test_ctrl_c_saves_and_stops_like_a_preemption(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_run_moved_2_8_8_devices_with_stops_finishes_every_step_once(tmp_path):
+def test_a_run_moved_2_8_8_devices_with_stops_finishes_every_step_once(tmp_path, full_8_steps):
     # The issue's case: global 32, per-device 4, a checkpoint every 2 steps. On 2 devices
     # (K=4) the run saved under the old numbering at micro-steps 8 and 16; resumed on 8
     # (K=1) it saved 6 and 7 below them, resumed at step 4 again and then failed for good.
     config = digits("train.steps=8", "checkpoint.every=2", "train.eval_every=0")
-    full = run(config, tmp_path / "full")
+    full = full_8_steps  # uninterrupted on 8 devices, saved only at its end
     workdir = tmp_path / "moved"
     first = run(config, workdir, devices=2, stop_after_micro_steps=14)  # 2 into step 4
     assert first.plan.grad_accum_steps == 4 and first.stopped
@@ -297,9 +339,11 @@ def test_a_run_moved_2_8_8_devices_with_stops_finishes_every_step_once(tmp_path)
     assert json.loads((workdir / "summary.json").read_text())["steps"] == 8
 
 
-def test_a_half_step_is_continued_on_the_same_split_and_redone_on_another(tmp_path, full_k4):
+def test_a_half_step_is_continued_on_the_same_split_and_redone_on_another(
+    tmp_path, full_k4, cut_k4
+):
     config = digits("batch.per_device_batch_size=1")  # 8 × 1 × K=4
-    run(config, tmp_path / "cut", stop_after_micro_steps=10)  # step 2, 2 of 4 micro-steps
+    copied(cut_k4, tmp_path / "cut")  # stopped at step 2, 2 of 4 micro-steps
     mesh = make_mesh(config.mesh.to_dict())
     setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
     ckpt = Checkpointer(tmp_path / "cut" / "checkpoints", keep=3, warn=print)
@@ -338,7 +382,7 @@ def test_a_half_step_is_continued_on_the_same_split_and_redone_on_another(tmp_pa
     assert worst < PARAM_ATOL, worst
 
 
-def test_a_stop_right_after_a_checkpoint_keeps_it_and_loses_nothing(tmp_path):
+def test_a_stop_right_after_a_checkpoint_keeps_it_and_loses_nothing(tmp_path, full_k4):
     config = digits("batch.per_device_batch_size=1", "checkpoint.every=1")  # K=4
     messages = []
     stopped = train(
@@ -354,19 +398,19 @@ def test_a_stop_right_after_a_checkpoint_keeps_it_and_loses_nothing(tmp_path):
     ckpt = Checkpointer(tmp_path / "cut" / "checkpoints", keep=3, warn=print)
     assert ckpt.steps() == [1, 2] and ckpt.read_meta(2)["loop"]["micro"] == 0
     resumed = run(config, tmp_path / "cut")
-    full = run(config, tmp_path / "full")
+    full, full_dir = full_k4  # uninterrupted, and saved only at its end
     for a, b in zip(leaves(full.state), leaves(resumed.state), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert same_records(tmp_path / "full", tmp_path / "cut")
+    assert same_records(full_dir, tmp_path / "cut")
 
 
 def test_a_workdir_numbered_by_micro_step_is_resumed_from_its_most_advanced_checkpoint(
-    tmp_path,
+    tmp_path, full_8_steps
 ):
     """Earlier jaxkit keyed checkpoints by micro-step (checkpoints/N, no prefix, no
     "format" in the record). Such a workdir is made here from today's checkpoints."""
     config = digits("train.steps=8", "checkpoint.every=2", "checkpoint.keep=5")
-    full = run(config, tmp_path / "full", devices=8)
+    full = full_8_steps  # uninterrupted on 8 devices: the same trajectory (evals change none)
     workdir = tmp_path / "old"
     run(config, workdir, devices=2, stop_after_micro_steps=16)  # K=4: steps 2 and 4 saved
     run(config, workdir, devices=8, stop_after_micro_steps=18)  # 16 + 2 at K=1: step 6
@@ -571,8 +615,8 @@ def test_a_redone_half_step_counts_its_non_finite_micro_batches_once(tmp_path, m
     ]
 
 
-def test_a_restart_from_scratch_drops_the_old_summary(tmp_path):
-    run(digits("checkpoint.keep=1"), tmp_path)
+def test_a_restart_from_scratch_drops_the_old_summary(tmp_path, full_k1):
+    finished_in(tmp_path, full_k1)  # 6 steps, finished: its one checkpoint is step_6
     (tmp_path / "checkpoints" / "step_6" / "meta" / "metadata").write_text("not json")
     messages = []
     stopped = train(
@@ -588,9 +632,9 @@ def test_a_restart_from_scratch_drops_the_old_summary(tmp_path):
     assert max(r["step"] for r in read_metrics(tmp_path)) == 3
 
 
-def test_a_checkpoint_set_aside_twice_keeps_both_copies(tmp_path):
+def test_a_checkpoint_set_aside_twice_keeps_both_copies(tmp_path, cut_every_2):
     config = digits("checkpoint.every=2", "checkpoint.keep=5")
-    run(config, tmp_path, stop_after_micro_steps=4)
+    copied(cut_every_2, tmp_path)  # stopped after 4 steps: step_2 and step_4
     ckpt_dir = tmp_path / "checkpoints"
     (ckpt_dir / "step_4.unreadable").mkdir()  # an earlier fallback at the same step
     (ckpt_dir / "step_4" / "meta" / "metadata").write_text("not json")
@@ -606,9 +650,9 @@ def test_a_new_workdir_starts_without_a_warning(tmp_path):
     assert not [m for m in messages if "warning" in m], messages
 
 
-def test_a_kept_checkpoint_names_the_micro_steps_resuming_redoes(tmp_path):
+def test_a_kept_checkpoint_names_the_micro_steps_resuming_redoes(tmp_path, cut_k4):
     config = digits("batch.per_device_batch_size=1")  # 8 × 1 × K=4
-    run(config, tmp_path, stop_after_micro_steps=10)  # step_2 holds 2 of step 3's 4
+    copied(cut_k4, tmp_path)  # stopped after 10 micro-steps: step_2 holds 2 of step 3's 4
     messages = []
     train(config, tmp_path, progress=False, echo=messages.append, stop_after_micro_steps=11)
     (line,) = [m for m in messages if m.startswith("stopped by")]
@@ -616,8 +660,10 @@ def test_a_kept_checkpoint_names_the_micro_steps_resuming_redoes(tmp_path):
     assert "+ 3 of 4 micro-steps" in line and "redoes the 1 micro-steps since" in line
 
 
-def test_an_attempt_that_dies_before_saving_does_not_log_its_events_twice(tmp_path, monkeypatch):
-    run(digits(), tmp_path, stop_after_micro_steps=2)
+def test_an_attempt_that_dies_before_saving_does_not_log_its_events_twice(
+    tmp_path, monkeypatch, cut_k1
+):
+    copied(cut_k1, tmp_path)
     bigger = digits("batch.global_batch_size=64")
     crash_at_step(monkeypatch, 3)
     with pytest.raises(CrashError):
@@ -628,8 +674,8 @@ def test_an_attempt_that_dies_before_saving_does_not_log_its_events_twice(tmp_pa
     assert len(changes) == 1 and changes[0]["step"] == 2
 
 
-def test_a_changed_noise_scale_decay_resumes(tmp_path):
-    run(digits(), tmp_path, stop_after_micro_steps=2)
+def test_a_changed_noise_scale_decay_resumes(tmp_path, cut_k1):
+    copied(cut_k1, tmp_path)
     resumed = run(digits("train.noise_scale_decay=0.5"), tmp_path)  # only smooths a metric
     assert not resumed.stopped and int(resumed.state.step) == 6
 
