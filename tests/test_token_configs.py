@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from small_configs import SMALL_LM
@@ -56,5 +57,7 @@ def test_a_token_config_trains_on_what_its_prepare_command_wrote(name, tmp_path,
     else:  # packed windows with segments: the row where the second document starts
         row = train_rows[np.array([train_rows.split.doc_starts[1] // 16])]
         assert "weights" not in row and row["segment_ids"].max() == 1
-    result = train(config, progress=False, echo=lambda *a: None)
+    # One device, two micro-batches of 4 rows a step: what is under test is the data.
+    apply_overrides(config, ["batch.global_batch_size=8", "batch.per_device_batch_size=4"])
+    result = train(config, devices=jax.devices()[:1], progress=False, echo=lambda *a: None)
     assert np.isfinite(result.summary["eval_loss"])
