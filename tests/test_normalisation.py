@@ -241,7 +241,7 @@ def test_a_half_step_resumed_under_another_k_is_redone_on_padded_rows(padded, tm
 
     ramp = "batch.schedule=0:32,32:64"  # step 1 of 32 rows (K = 4), then 64 (K = 8)
     kw = {"progress": False, "echo": lambda *a: None}
-    whole = train(lm(ramp), tmp_path / "whole", **kw)
+    whole = train(lm(ramp), **kw)  # no workdir: its records and params are all it gives
     later = lm("batch.schedule=0:32,64:64")  # the ramp a step later: step 2 still 32 rows
     assert train(later, tmp_path / "cut", stop_after_micro_steps=6, **kw).stopped
     resumed = train(lm(ramp), tmp_path / "cut", allow_batch_change=True, **kw)
