@@ -417,15 +417,25 @@ def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySou
     )
 
 
-# The epoch orders last read: the two latest epochs of each (source size, seed), for the
-# 64 last read. A batch reads at most two epochs of any source, so a mixture of up to 64
-# sources draws each order once, where one cache of a fixed number of orders for all
-# sources would draw them again for every batch of a mixture with more sources than it holds.
-_EPOCHS_KEPT, _SOURCES_KEPT = 2, 64
+# The epoch orders last read: the two latest epochs of each (source size, seed), for at
+# least the 64 sources last read and for every source of the largest mixture opened (see
+# keep_orders_of). A batch reads at most two epochs of any source, so each order is drawn
+# once, where one cache of a fixed number of orders for all sources would draw them again
+# for every batch of a mixture with more sources than it holds. Orders are kept in int32
+# where the rows fit (half the memory) and read-only (they are shared).
+_EPOCHS_KEPT = 2
+_sources_kept = 64
 _permutations: collections.OrderedDict[tuple[int, int], collections.OrderedDict] = (
     collections.OrderedDict()
 )
 _permutations_lock = threading.Lock()  # the prefetch thread reads rows beside the loop
+
+
+def keep_orders_of(sources: int) -> None:
+    """Keeps the epoch orders of at least `sources` sources (a mixture of that many)."""
+    global _sources_kept
+    with _permutations_lock:
+        _sources_kept = max(_sources_kept, sources)
 
 
 def _epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
@@ -438,13 +448,16 @@ def _epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
             epochs.move_to_end(epoch)
             return epochs[epoch]
     order = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    if num_rows <= np.iinfo(np.int32).max:
+        order = order.astype(np.int32)
+    order.flags.writeable = False
     with _permutations_lock:
         epochs = _permutations.setdefault(key, collections.OrderedDict())
         epochs[epoch] = order
         _permutations.move_to_end(key)
         while len(epochs) > _EPOCHS_KEPT:
             epochs.popitem(last=False)
-        while len(_permutations) > _SOURCES_KEPT:
+        while len(_permutations) > _sources_kept:
             _permutations.popitem(last=False)
     return order
 
@@ -490,6 +503,7 @@ class MixtureRows:
         self._chunks: dict[tuple[int, int], np.ndarray] = {}
         self._lock = threading.Lock()
         self._chunks_kept = _MIXTURE_CHUNKS_KEPT
+        keep_orders_of(len(self.parts))
         own = zip(self.names, self.parts, strict=True)
         # Every source's tokens: a resume on other sources is refused naming the one changed.
         self.fingerprint: dict[str, Any] = {

@@ -127,23 +127,35 @@ def test_each_source_reads_its_own_seeded_stream_epoch_after_epoch(dirs):
 
 
 def test_a_mixture_of_many_sources_draws_each_epoch_order_once(monkeypatch):
-    """Every source's rows in a batch come from its epochs' orders (permutations). Reading
-    batches of 12 sources over and over draws each source's two orders once: a cache of a
-    fixed 16 orders for all sources drew all 24 again for every batch."""
+    """Every source's rows come from its epochs' orders (permutations). A mixture of 70
+    sources (more than the 64 kept of any sources) read chunk after chunk draws each order it
+    reads once: a cache of a fixed 16 orders for all sources drew them again for every
+    chunk of a mixture of more than 8 sources; and the rows are each source's own order's."""
     draws = []
     default_rng = np.random.default_rng
 
     def counting(seed):
-        draws.append(tuple(seed))
+        if len(seed) == 2:  # [source seed, epoch]: an epoch's order (not the blocks' shuffle)
+            draws.append(tuple(seed))
         return default_rng(seed)
 
     monkeypatch.setattr(np.random, "default_rng", counting)
-    sizes = [101 + s for s in range(12)]  # sizes and seeds no other test reads
-    for _ in range(3):  # three batches, each reading every source's epochs 0 and 1
-        for s, size in enumerate(sizes):
-            rows = data_lib.rows_of_examples(np.arange(size - 5, size + 5), size, 9_000 + s)
-            assert sorted(rows[:5]) == sorted(default_rng([9_000 + s, 0]).permutation(size)[-5:])
-    assert len(draws) == 2 * len(sizes) and len(set(draws)) == len(draws)
+    names = [f"s{i:02d}" for i in range(70)]
+    sizes = [5 + i % 7 for i in range(70)]  # small: many epochs in each chunk of reads
+    rows = data_lib.MixtureRows(
+        names=tuple(names),
+        parts=tuple(np.zeros(n) for n in sizes),
+        order=_order(dict.fromkeys(names, 1)),
+    )
+    seed = 4_321  # a seed no other test reads with
+    chunk = data_lib._MIXTURE_CHUNK
+    ids = rows.stream_rows(0, 3 * chunk, seed)  # three chunks
+    source, k = rows.order.examples(0, 3 * chunk, seed)
+    for s, name in enumerate(names):  # the documented rule, from numpy itself
+        n, seed_s = sizes[s], mixture.source_seed(seed, name)
+        want = [default_rng([seed_s, e // n]).permutation(n)[e % n] for e in k[source == s]]
+        assert (ids[source == s] - rows.offsets[s]).tolist() == want, name
+    assert len(draws) > 2 * len(names) and len(set(draws)) == len(draws)  # none drawn twice
 
 
 def test_a_resume_reads_the_rows_of_an_uninterrupted_run(dirs):
