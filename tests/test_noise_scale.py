@@ -252,7 +252,9 @@ def test_the_auto_ramp_decides_the_same_on_every_split():
     the others measured B_simple from 16 and 8 rows: other numbers, other decisions.
     """
     auto = ["batch.global_batch_size=32", "batch.schedule=auto", "train.noise_scale_every=2"]
-    auto += ["batch.max_global_batch_size=128", "batch.auto_patience=1", "train.examples=640"]
+    auto += ["batch.max_global_batch_size=128", "batch.auto_patience=1", "train.examples=512"]
+    # 4 × 32 + 2 × 64 + 2 × 128 rows: eight steps, the last of them the one sample taken at
+    # 128 rows (K = 16 on 2 devices); a ninth step would sample nothing.
     runs = {n: _train_records(SPLIT + auto, n) for n in SPLIT_DEVICES}
     first = runs[SPLIT_DEVICES[0]]
     batches = [r["global_batch_size"] for r in first]
