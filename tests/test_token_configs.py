@@ -19,7 +19,18 @@ from jaxkit.prepare import prepare
 SHRINK = [o for o in SMALL_LM if not o.startswith("data.max_bytes")]
 
 
-def test_docstring_pairs_are_signatures_and_first_paragraphs(tmp_path):
+@pytest.fixture(scope="module")
+def docstrings_jsonl(tmp_path_factory):
+    """sft_tiny's first command, `python -m jaxkit.docstrings docstrings.jsonl`, run once
+    for the module: the pairs file and the finished process."""
+    out = tmp_path_factory.mktemp("docstrings") / "docstrings.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxkit.docstrings", str(out)], capture_output=True, text=True
+    )
+    return out, done
+
+
+def test_docstring_pairs_are_signatures_and_first_paragraphs(tmp_path, docstrings_jsonl):
     (tmp_path / "m.py").write_text(
         'def f(a, b=2, *c):\n    """Add things.\n\n    More detail."""\n\n'
         "def g():\n    pass\n\n"
@@ -29,21 +40,21 @@ def test_docstring_pairs_are_signatures_and_first_paragraphs(tmp_path):
         {"prompt": "def f(a, b=2, *c):\n", "completion": '    """Add things."""\n'},
         {"prompt": "def h(self):\n", "completion": '    """Wait."""\n'},
     ]
-    out = tmp_path / "out.jsonl"
-    done = subprocess.run(
-        [sys.executable, "-m", "jaxkit.docstrings", str(out)], capture_output=True, text=True
-    )
+    out, done = docstrings_jsonl
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) > 1000 and all(set(x) == {"prompt", "completion"} for x in lines)
 
 
 @pytest.mark.parametrize("name", ["sft_tiny", "lm_tiny_tokens"])
-def test_a_token_config_trains_on_what_its_prepare_command_wrote(name, tmp_path, monkeypatch):
+def test_a_token_config_trains_on_what_its_prepare_command_wrote(
+    name, tmp_path, monkeypatch, request
+):
     monkeypatch.chdir(tmp_path)  # the configs name data/... relative to where they run
     if name == "sft_tiny":
-        assert docstrings.main(["docstrings.jsonl"]) == 0
-        prepare(["docstrings.jsonl"], "bytes", "data/docstrings", eval_fraction=0.05,
+        pairs, done = request.getfixturevalue("docstrings_jsonl")
+        assert done.returncode == 0, done.stderr
+        prepare([str(pairs)], "bytes", "data/docstrings", eval_fraction=0.05,
                 progress=False)  # fmt: skip
     else:
         stdlib = docstrings.pairs.__globals__["sysconfig"].get_paths()["stdlib"]
