@@ -275,7 +275,7 @@ def main() -> None:
     }
     print(
         f"\nstep overhead on {results['devices']} ({results['model']}), "
-        f"median of {repeats} runs x {steps} steps"
+        f"{steps} steps a run" + ("" if args.loop_only else f", (b) the median of {repeats} runs")
     )
     print(
         f"(a) loop: hand-written jit {g / hand:8.1f} examples/s | jaxkit {g / jk:8.1f} "

@@ -419,8 +419,9 @@ def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySou
 
 # The epoch orders last read: the two latest epochs of each (source size, seed), for at
 # least the 64 sources last read and for every source of the largest mixture opened (see
-# keep_orders_of). A batch reads at most two epochs of any source, so each order is drawn
-# once, where one cache of a fixed number of orders for all sources would draw them again
+# keep_orders_of). A batch reads at most two epochs of a source that holds a batch of rows,
+# so each such order is drawn once (a smaller source's may be drawn again within a chunk of
+# reads), where one cache of a fixed number of orders for all sources would draw them again
 # for every batch of a mixture with more sources than it holds. Orders are kept in int32
 # where the rows fit (half the memory) and read-only (they are shared).
 _EPOCHS_KEPT = 2
