@@ -128,6 +128,54 @@ def test_ctrl_c_leaves_a_partial_report_that_says_so(tmp_path, monkeypatch):
     assert [r[0] for r in _rows(report, "split")] == ["1×32×1"]
 
 
+def test_an_error_leaves_a_partial_report_that_names_it(tmp_path, monkeypatch):
+    calls = []
+    real = equivalence.train_split
+
+    def train_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the second split broke")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(equivalence, "train_split", train_then_fail)
+    with pytest.raises(RuntimeError, match="the second split broke"):
+        experiments.run("equivalence", _digits(), tmp_path, experiments.Options(steps=2))
+    report = (tmp_path / "report.md").read_text()
+    assert "stopped by an error after 1 of 4 splits (RuntimeError)" in report
+    assert "still running" not in report
+    assert [r[0] for r in _rows(report, "split")] == ["1×32×1"]
+
+
+def test_a_running_report_is_redrawn_when_redraw_seconds_have_passed_and_at_the_end(
+    tmp_path, monkeypatch
+):
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "monotonic", lambda: clock[0])
+    report = common.Report(tmp_path, "units")
+    drawn: list[list[int]] = []
+    seen: list[str] = []  # report.md as each unit starts
+    done: list[int] = []
+
+    def do_unit(unit: int) -> None:
+        path = tmp_path / "report.md"
+        seen.append(path.read_text() if path.exists() else "")
+        clock[0] += 20.0  # each unit takes 20 s: two of them pass REDRAW_SECONDS (30 s)
+        done.append(unit)
+
+    def render(r: common.Report) -> None:
+        drawn.append(list(done))
+        r.text(f"units done: {done}")
+
+    common.drive(report, [1, 2, 3, 4], do_unit, render, "units", echo=lambda _: None)
+    assert common.REDRAW_SECONDS == 30.0
+    assert drawn == [[1, 2], [1, 2, 3, 4]]  # at 40 s (not 20 s, nor 60 s), and at the end
+    assert seen[:3] == ["", "", seen[2]] and "2 of 4 units done, still running" in seen[2]
+    assert "units done: [1, 2]" in seen[3]  # unit 3 ended 20 s after the drawing: kept
+    final = (tmp_path / "report.md").read_text()
+    assert "units done: [1, 2, 3, 4]" in final and "Partial" not in final
+
+
 def test_memory_is_flat_in_accumulation_and_grows_with_the_batch(tmp_path):
     options = experiments.Options(max_per_device_batch=8, rss_points=1)
     report = experiments.run("memory", _digits(), tmp_path, options).read_text()

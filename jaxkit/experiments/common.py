@@ -1,17 +1,19 @@
 """What the experiments share: the request and its preamble (devices, mesh, plan, steps), the
 checks every unit passes before the first starts, training a unit or a split, and the report
-rewritten after each unit. The experiments import this module; `jaxkit.experiments` imports
+rewritten as units finish. The experiments import this module; `jaxkit.experiments` imports
 them, and nothing here imports it back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
 import pathlib
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
@@ -88,6 +90,13 @@ class Report:
         return path
 
 
+# How often a running experiment redraws its partial report, at most. Drawing the figures
+# costs about as much as a short unit of work on a CPU, so a unit that ends within this time
+# of the last drawing leaves the report as it was; the last unit, Ctrl-C and an error always
+# redraw it.
+REDRAW_SECONDS = 30.0
+
+
 def drive(
     report: Report,
     units: Sequence[U],
@@ -96,37 +105,52 @@ def drive(
     what: str,
     echo: Callable[[str], None] = print,
 ) -> pathlib.Path:
-    """Does each unit, re-rendering and rewriting the report after each one.
+    """Does each unit, re-rendering and rewriting the report after a unit when REDRAW_SECONDS
+    have passed since it was last drawn, and after the last unit.
 
     Ctrl-C (KeyboardInterrupt, or the loop's own SIGINT stop) writes what is done so far,
-    marked partial, and raises Interrupted.
+    marked partial, and raises Interrupted; any other error writes it marked as stopped by
+    that error, and goes on up.
     """
     # Said here, once every unit has passed its checks, not before: a refused request
     # writes nothing.
     echo(f"{report.title}: {len(units)} {what}, writing {(report.out / 'report.md').resolve()}")
     done = 0
+
+    def rewrite(status: str | None = None) -> pathlib.Path:
+        report.blocks = []
+        render(report)
+        return report.write(status)
+
     bar = tqdm.tqdm(total=len(units), unit=what, file=sys.stderr, dynamic_ncols=True)
+    drawn = time.monotonic()
     try:
         for unit in units:
             bar.set_postfix_str(str(unit))
             do_unit(unit)
             done += 1
             bar.update(1)
-            report.blocks = []
-            render(report)
-            if done < len(units):
-                report.write(f"Partial report: {done} of {len(units)} {what} done, still running.")
+            if done < len(units) and time.monotonic() - drawn >= REDRAW_SECONDS:
+                rewrite(f"Partial report: {done} of {len(units)} {what} done, still running.")
+                drawn = time.monotonic()
     except (KeyboardInterrupt, Interrupted):
-        report.blocks = []
-        render(report)
-        report.write(
+        rewrite(
             f"Partial report: interrupted after {done} of {len(units)} {what}; "
             "the figures below cover only those."
         )
         raise Interrupted from None
+    except Exception as e:
+        # The error goes on up whatever happens here: a report that cannot be drawn from
+        # the units done so far must not hide it.
+        with contextlib.suppress(Exception):
+            rewrite(
+                f"Partial report: stopped by an error after {done} of {len(units)} {what} "
+                f"({type(e).__name__}); the figures below cover only those."
+            )
+        raise
     finally:
         bar.close()
-    return report.write()
+    return rewrite()
 
 
 def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
