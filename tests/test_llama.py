@@ -151,9 +151,10 @@ def test_remat_changes_memory_not_numbers(remat, scan):
     def loss(model):
         return jnp.mean(model(x) ** 2)
 
-    for a, b in zip(
-        jax.tree.leaves(nnx.grad(loss)(again)), jax.tree.leaves(nnx.grad(loss)(base)), strict=True
-    ):
+    # Each gradient in one compiled program, not an op at a time (where every rematerialised
+    # block compiled apart).
+    grad = nnx.jit(nnx.grad(loss))
+    for a, b in zip(jax.tree.leaves(grad(again)), jax.tree.leaves(grad(base)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
 
 
@@ -309,9 +310,13 @@ def test_key_value_heads_must_split_over_the_tensor_axis():
 
 
 def _run(config, workdir, **kw):
+    """Trains on one device: the resume is under test, not the mesh (no collectives to
+    compile)."""
     from jaxkit.loop import train
 
-    return train(config, workdir, progress=False, echo=lambda *a: None, **kw)
+    return train(
+        config, workdir, devices=jax.devices()[:1], progress=False, echo=lambda *a: None, **kw
+    )
 
 
 def test_remat_may_change_at_a_resume_scan_layers_may_not(tmp_path):
@@ -319,6 +324,8 @@ def test_remat_may_change_at_a_resume_scan_layers_may_not(tmp_path):
 
     steps = [
         *("train.steps=4", "train.log_every=1", "checkpoint.every=2", "optimizer.warmup_steps=1"),
+        # Two micro-batches of 4 rows a step; 8 held-out rows in the end-of-run eval.
+        *("batch.global_batch_size=8", "batch.per_device_batch_size=4", "train.eval_examples=8"),
         ONE_BLOCK,
     ]
     whole = _run(tiny(*steps, "checkpoint.every=0"), tmp_path / "whole")  # the reference
@@ -339,7 +346,7 @@ def test_remat_may_change_at_a_resume_scan_layers_may_not(tmp_path):
         {
             "event": "remat_change",
             "step": 2,
-            "examples_seen": 2 * 64,  # two steps of llama_tiny's global batch
+            "examples_seen": 2 * 8,  # two steps of the global batch
             "from_remat": "none",
             "to_remat": "full",
         }
@@ -429,13 +436,16 @@ def test_bfloat16_params_keep_a_float32_accumulator_and_optimizer_state(accumula
         "model.param_dtype=bfloat16",
         "model.compute_dtype=bfloat16",
         f"train.accumulation={accumulation}",
-        "batch.global_batch_size=32",
+        # Two micro-batches of 2 rows a step on one device (the dtypes are under test, not
+        # the mesh), 8 held-out rows in the end-of-run eval.
+        "batch.global_batch_size=4",
         "batch.per_device_batch_size=2",
+        "train.eval_examples=8",
         "train.steps=2",
         "train.log_every=1",
         ONE_BLOCK,
     )
-    result = train(config, devices=jax.devices(), progress=False, echo=lambda *a: None)
+    result = train(config, devices=jax.devices()[:1], progress=False, echo=lambda *a: None)
     state = result.state
     assert {p.dtype for p in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
     floats = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
