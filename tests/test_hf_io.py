@@ -441,8 +441,13 @@ def test_a_tied_run_exports_as_a_tied_llama_and_loads_back(tmp_path):
     from transformers import LlamaConfig
 
     steps = ["train.steps=1", "train.eval_every=0", "checkpoint.every=0"]
-    config = small_config("model.tie_embeddings=true", *steps)
-    result = train(config, tmp_path / "run", progress=False, echo=lambda line: None)
+    # One step of two micro-batches of 4 rows on one device, 8 held-out rows in the eval:
+    # the export is under test, not the training.
+    rows = ["batch.global_batch_size=8", "batch.per_device_batch_size=4", "train.eval_examples=8"]
+    config = small_config("model.tie_embeddings=true", *steps, *rows)
+    result = train(
+        config, tmp_path / "run", devices=jax.devices()[:1], progress=False, echo=lambda line: None
+    )
     params = jax.tree.map(np.asarray, result.state.params)
     out = tmp_path / "out"
     code, _, err = run_cli("export", str(tmp_path / "run"), "--hf", str(out))
