@@ -234,13 +234,15 @@ def test_a_half_step_resumed_under_another_k_is_redone_on_padded_rows(padded, tm
     ones weighted by the 64-row step's (× 8), equal only where every row weighs the same."""
 
     def lm(*overrides):
-        config = small_config("lm_tiny", 8, 1)
+        # One device of 8-row micro-batches: the micro-step of run_splits' (1, 8, 4), whose
+        # program the padded splits' test compiled, from the compile cache.
+        config = small_config("lm_tiny", 1, 8)
         shape = ["train.steps=2", "batch.global_batch_size=null", "checkpoint.every=0"]
         apply_overrides(config, [*padded, *shape, *overrides])
         return config
 
     ramp = "batch.schedule=0:32,32:64"  # step 1 of 32 rows (K = 4), then 64 (K = 8)
-    kw = {"progress": False, "echo": lambda *a: None}
+    kw = {"devices": jax.devices()[:1], "progress": False, "echo": lambda *a: None}
     whole = train(lm(ramp), **kw)  # no workdir: its records and params are all it gives
     later = lm("batch.schedule=0:32,64:64")  # the ramp a step later: step 2 still 32 rows
     assert train(later, tmp_path / "cut", stop_after_micro_steps=6, **kw).stopped
