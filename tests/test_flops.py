@@ -222,31 +222,33 @@ def test_tpu_programs_count_their_loops_and_convolutions():
     backward = jax.jit(jax.grad(f)).lower(w, x).compile()
     assert hardware_flops(backward.as_text()) == 5 * 3 * 2 * 8 * 256 * 256  # 8 rows per chip
     # A whole step, attention's batched matmuls included (xla's attention: a TPU target's
-    # auto takes splash, whose Pallas kernel states no FLOPs). Half lm_tiny's widths: each
-    # compile for the chip costs less; rows stay 128 long, splash's block.
+    # auto takes splash, whose Pallas kernel states no FLOPs). Half lm_tiny's widths, one
+    # layer and one row per chip: each compile for the chip costs less, and attention is
+    # still a quarter of the step; rows stay 128 long, splash's block.
     config = load_config("lm_tiny")
-    apply_overrides(config, [*NARROW, "model.attention=xla"])
-    split = costs.split_config(config, 8, 1)
+    apply_overrides(config, [*NARROW, "model.num_layers=1", "model.attention=xla"])
+    split = costs.split_config(config, 1, 1)
     plan = plan_from_config(split, {"data": 8, "fsdp": 1, "tensor": 1})
     cost = costs.step_cost(split, plan, devices)
     assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.05)
     # With splash, what is counted is the step less attention's scores and weighted values:
-    # 12 × layers × d_model × seq_len per token, over the chip's 8 rows (flops.py).
+    # 12 × layers × d_model × seq_len per token, over the chip's one row (flops.py).
     apply_overrides(split, ["model.attention=splash"])
     with_splash = costs.step_cost(split, plan, devices)
     m, seq = split.model, split.data.seq_len
-    kernel = 12 * m.num_layers * m.d_model * seq * (8 * seq)
+    kernel = 12 * m.num_layers * m.d_model * seq * seq
     assert with_splash.hardware_flops_per_step == pytest.approx(
         cost.model_flops_per_step - kernel, rel=1e-3
     )
     # Grouped-query attention, scanned: the projections become convolutions whose padded
     # window is wider than its input; only the taps on real input count (at these widths,
-    # counting every tap gives 1.04 and 1.2 hardware FLOPs per model FLOP).
+    # one row per chip as at eight, counting every tap gives 1.04 and 1.2 hardware FLOPs per
+    # model FLOP).
     counts = []
     for scan in ("false", "true"):
         llama = load_config("llama_tiny")
         apply_overrides(llama, [*NARROW, f"model.scan_layers={scan}", "model.attention=xla"])
-        split = costs.split_config(llama, 8, 1)
+        split = costs.split_config(llama, 1, 1)
         cost = costs.step_cost(split, plan_from_config(split, plan_shape(plan)), devices)
         counts.append(cost.hardware_flops_per_step)
         assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.01)
@@ -285,6 +287,7 @@ def test_tpu_fused_step_of_one_micro_step_runs_the_model_once():
         config,
         [
             *LLAMA,
+            *NARROW,
             "model.scan_layers=true",
             "train.accumulation=fused",
             "mesh.data=2",
