@@ -116,8 +116,7 @@ def test_a_psum_over_named_axes_is_found_crossing_exactly_those(axes):
     assert (found.kind, found.axes) == ("all-reduce", frozenset(axes))
 
 
-@functools.cache  # a program two tests read (2×2×2, fused, 2 rows per device) compiled once
-def compiled_step(mesh_overrides, mode, per_device, *extra, small=True):
+def step_setup(mesh_overrides, mode, per_device, *extra, small=True):
     config = load_config("lm_tiny")
     apply_overrides(
         config,
@@ -133,10 +132,23 @@ def compiled_step(mesh_overrides, mode, per_device, *extra, small=True):
     )
     mesh = make_mesh(config.mesh.to_dict())
     plan = plan_from_config(config, mesh_shape(mesh))
-    setup = build(config, plan, mesh)
-    compiled, cost = costs.compile_setup_step(config, plan, setup)
-    found = collectives(compiled.as_text(), mesh_shape(mesh))
-    return plan, setup, cost, found
+    return config, plan, build(config, plan, mesh)
+
+
+@functools.cache  # a program two tests read (2×2×2, fused, 2 rows per device) compiled once
+def compiled_step(mesh_overrides, mode, per_device):
+    """SMALL_LM's step lowered as compile_setup_step lowers it for the loop, compiled, and
+    the collectives in it; without the FLOP counts compile_setup_step adds (about 0.5 CPU-s
+    of each program's 2-3), which only the costs test reads."""
+    config, plan, setup = step_setup(mesh_overrides, mode, per_device)
+    lowered, _ = costs._lower(config, plan, setup)
+    return plan, setup, collectives(lowered.compile().as_text(), plan.mesh_shape)
+
+
+def step_cost(mesh_overrides, mode, *extra):
+    """compile_setup_step's cost of lm_tiny's step at 2 rows per device."""
+    config, plan, setup = step_setup(mesh_overrides, mode, 2, *extra, small=False)
+    return costs.compile_setup_step(config, plan, setup)[1]
 
 
 def gradient_shard_bytes(setup):
@@ -170,7 +182,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("mode", ["multisteps", "fused"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_layout_crosses_only_the_axes_it_needs(layout, mode):
-    plan, setup, _, found = compiled_step(LAYOUTS[layout], mode, 2)
+    plan, setup, found = compiled_step(LAYOUTS[layout], mode, 2)
     shape, k = plan.mesh_shape, plan.grad_accum_steps
     # Params and activations are never gathered across data: every data index holds whole
     # params (up to fsdp and tensor) and its own rows.
@@ -196,7 +208,7 @@ def test_each_layout_crosses_only_the_axes_it_needs(layout, mode):
 
 @pytest.mark.parametrize("per_device,k", [(16, 1), (8, 2), (4, 4), (2, 8)])
 def test_fused_reduces_the_gradient_across_data_once_per_step_for_any_k(per_device, k):
-    plan, setup, _, found = compiled_step(LAYOUTS["2x2x2"], "fused", per_device)
+    plan, setup, found = compiled_step(LAYOUTS["2x2x2"], "fused", per_device)
     assert plan.grad_accum_steps == k
     # Outside the scan, so once per step (XLA may split the one psum into a few ops)...
     data_reductions = [c for c in found if c.kind == "all-reduce" and "data" in c.axes]
@@ -213,7 +225,7 @@ def test_fused_costs_what_multisteps_costs_on_sharded_meshes(layout):
     # worth sharding), one layer of its two: fused/multisteps memory 1.04 and 1.02 on the
     # two layouts, against 1.03 and 1.01 with both, at about half the compile.
     one_layer = "model.num_layers=1"
-    _, _, multisteps, _ = compiled_step(LAYOUTS[layout], "multisteps", 2, one_layer, small=False)
-    _, _, fused, _ = compiled_step(LAYOUTS[layout], "fused", 2, one_layer, small=False)
+    multisteps = step_cost(LAYOUTS[layout], "multisteps", one_layer)
+    fused = step_cost(LAYOUTS[layout], "fused", one_layer)
     assert fused.memory_bytes <= 1.10 * multisteps.memory_bytes
     assert abs(fused.flops_per_step / multisteps.flops_per_step - 1) <= 0.05
