@@ -195,12 +195,15 @@ def test_bfloat16_compute_keeps_float32_where_it_counts():
     config = tiny("model.compute_dtype=bfloat16", "model.scan_layers=true")
     model = model_of(config)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(pure(model)))
-    logits = model(tokens(config))
+    forward = nnx.jit(lambda model, x: model(x))  # compiled programs, not an op at a time
+    logits = forward(model, tokens(config))
     assert logits.dtype == jnp.bfloat16
     # The same params in float32 compute: bf16 has an 8-bit significand, so each matmul
     # output carries a relative error up to 2^-8; through 3 blocks the logits stay within a
     # few percent of their scale.
-    exact = with_params(model_of(tiny("model.scan_layers=true")), pure(model))(tokens(config))
+    exact = forward(
+        with_params(model_of(tiny("model.scan_layers=true")), pure(model)), tokens(config)
+    )
     scale = float(jnp.max(jnp.abs(exact)))
     assert float(jnp.max(jnp.abs(logits.astype(jnp.float32) - exact))) < 0.05 * scale
     stored = abstract_params(tiny("model.param_dtype=bfloat16"))
@@ -260,7 +263,10 @@ def test_the_checkpoint_keys_default_to_what_runs_before_them_ran_as():
     # A config saved before them builds the same model: same params, same logits, bit for bit.
     new_model, old_model = model_of(current), model_of(ml_collections.ConfigDict(older))
     assert jax.tree.all(jax.tree.map(np.array_equal, pure(new_model), pure(old_model)))
-    np.testing.assert_array_equal(new_model(tokens(current)), old_model(tokens(current)))
+    forward = nnx.jit(lambda model, x: model(x))  # one compiled program, not an op at a time
+    np.testing.assert_array_equal(
+        forward(new_model, tokens(current)), forward(old_model, tokens(current))
+    )
 
 
 @pytest.mark.parametrize("in_file", [True, False])
