@@ -334,7 +334,9 @@ def _train(config, workdir, devices, **kw):
 def runs(dirs):
     """The two-stage mixture trained on each of the seed's four splits of 32 (4 × 8 × 1 on
     a workdir, which the CLI's resumes below continue), and one run stopped after step 1 on
-    8 devices (4 rows each, K = 1) and resumed on 4 (K = 2): each with the rows it read."""
+    4 devices (8 rows each, K = 1) and resumed on 2 (K = 2): each with the rows it read.
+    The stopped run and its resume are splits trained above, so their programs come from
+    the compilation cache."""
     out = {}
     for devices, per_device, accum in SEED_SPLITS:
         workdir = dirs / "split" if (devices, per_device) == (4, 8) else None
@@ -343,10 +345,10 @@ def runs(dirs):
         assert result.plan.grad_accum_steps == accum
         out[devices, per_device, accum] = result, rows
     with _reading() as first_rows:
-        first = _train(_staged(dirs, 4), dirs / "cut", 8, stop_after_micro_steps=1)
+        first = _train(_staged(dirs, 8), dirs / "cut", 4, stop_after_micro_steps=1)
     assert first.stopped and first.plan.grad_accum_steps == 1
     with _reading() as rows:
-        resumed = _train(_staged(dirs, 4), dirs / "cut", 4)
+        resumed = _train(_staged(dirs, 8), dirs / "cut", 2)
     assert resumed.plan.grad_accum_steps == 2
     out["cut"] = first_rows, resumed, rows
     return out
@@ -387,11 +389,11 @@ def test_the_seed_splits_read_the_same_rows_and_train_the_same_model(runs):
             ), (split, name)
 
 
-def test_a_resume_on_4_devices_reads_the_rows_of_an_uninterrupted_run(runs, dirs):
-    """Stopped after step 1 on 8 devices (inside the first stage) and resumed on 4, the run
+def test_a_resume_on_2_devices_reads_the_rows_of_an_uninterrupted_run(runs, dirs):
+    """Stopped after step 1 on 4 devices (inside the first stage) and resumed on 2, the run
     crosses the stage boundary at 64 reading exactly the uninterrupted run's rows, in order,
     and trains the same model (test_checkpoint's tolerances for another device count;
-    measured: losses within 3.5e-7 relative, params within 4.4e-7 absolute)."""
+    measured: losses within 4.0e-7 relative, params within 6.3e-8 absolute)."""
     reference, reference_rows = runs[SEED_SPLITS[0]]
     first_rows, resumed, rows = runs["cut"]
     assert set(first_rows) >= set(range(32))  # and perhaps step 2's rows, read ahead
