@@ -133,10 +133,13 @@ def reference_eval(config, params):
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
     _, held_out = make_sources(config)
     rows = held_out[np.arange(config.train.eval_examples)]
-    # One compiled forward pass, not an op at a time.
-    forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
-    logits = forward(jax.device_put(params, jax.devices()[0]), rows["inputs"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, rows["targets"])
+    # One compiled forward pass and cross-entropy, not an op at a time.
+    forward = jax.jit(
+        lambda p, x, t: optax.softmax_cross_entropy_with_integer_labels(
+            nnx.merge(graphdef, p)(x), t
+        )
+    )
+    losses = forward(jax.device_put(params, jax.devices()[0]), rows["inputs"], rows["targets"])
     return float(np.sum(rows["weights"] * losses) / np.sum(rows["weights"]))
 
 

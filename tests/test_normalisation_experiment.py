@@ -57,12 +57,14 @@ def first_step_losses(overrides, accums):
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
     source, _ = make_sources(config)
     batch = source[global_batch_rows(0, 32, len(source), config.train.seed)]
-    # One compiled forward pass on one device, not an op at a time.
-    forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))
-    logits = forward(jax.device_put(params, jax.devices()[0]), batch["inputs"])
-    token_loss = np.asarray(
-        optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), np.float64
+    # One compiled forward pass and cross-entropy on one device, not an op at a time.
+    forward = jax.jit(
+        lambda p, x, t: optax.softmax_cross_entropy_with_integer_labels(
+            nnx.merge(graphdef, p)(x), t
+        )
     )
+    params = jax.device_put(params, jax.devices()[0])
+    token_loss = np.asarray(forward(params, batch["inputs"], batch["targets"]), np.float64)
     row_loss = (batch["weights"] * token_loss).sum(axis=1)
     row_weight = batch["weights"].sum(axis=1, dtype=np.float64)
     naive = {}
