@@ -91,8 +91,8 @@ def independent_counts(config, rows):
     model's forward pass comes from jaxkit. Params are replicated on a data-parallel mesh,
     so each device runs exactly this much per micro-step and per update.
     """
-    with nnx.use_eager_sharding(False):
-        model = build_model(config, nnx.Rngs(0))
+    with nnx.use_eager_sharding(False):  # shapes only: counting FLOPs needs no values
+        model = nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0)))
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
     row_shape, dtype = (
@@ -119,7 +119,7 @@ def independent_counts(config, rows):
         return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
     grad = _plain_flops(jax.grad(loss), params, inputs, targets)
-    return grad, _plain_flops(update, params, tx.init(params), params)
+    return grad, _plain_flops(update, params, jax.eval_shape(tx.init, params), params)
 
 
 def _multisteps_cost(config, per_device, k):
