@@ -3,6 +3,7 @@ trajectory on any device count, resume across a stage boundary, and the auto ram
 
 import json
 import math
+import shutil
 
 import jax
 import numpy as np
@@ -316,7 +317,7 @@ def auto(*overrides):
         "batch.max_global_batch_size=128",
         "batch.auto_patience=2",
         "train.steps=null",
-        "train.examples=2560",
+        "train.examples=900",  # 14 steps: two at 128, the maximum, reached at step 10
         "train.log_every=2",
         "train.noise_scale_every=2",  # decides every 2nd step, on that step's sample
         "train.eval_every=0",
@@ -349,18 +350,26 @@ def test_auto_ramp_decisions_are_the_rule_applied_to_the_logged_noise_scale(auto
                 g *= 2
                 expected.append((r["step"], g))
     assert [(c["step"], c["global_batch_size"]) for c in changes] == expected
-    assert records[-1]["examples_seen"] >= 2560 > records[-1]["examples_seen"] - g
+    assert records[-1]["examples_seen"] >= 900 > records[-1]["examples_seen"] - g
     assert result.summary["examples_seen"] == records[-1]["examples_seen"]
 
 
-def test_a_resumed_auto_run_makes_the_same_decisions(tmp_path, auto_run):
-    whole, whole_dir = auto_run
-    work = tmp_path / "stopped"
-    # Mid-step stops in steps 3, 7 and 11: the first two resume from checkpoints taken one
+@pytest.fixture(scope="module")
+def auto_stopped(tmp_path_factory):
+    """The auto ramp stopped mid-step three times, resumed after each but the last: the
+    workdir, which each test copies before resuming it."""
+    work = tmp_path_factory.mktemp("auto") / "stopped"
+    # Mid-step stops in steps 5, 9 and 12: the first two resume from checkpoints taken one
     # sample above the batch into the patience of 2 (mlp_digits' B_simple is ~90 early, above
     # 32 and 64), so a resume that forgot that sample would double a sample late.
-    for stop_at in (5, 18, 41):
+    for stop_at in (9, 22, 41):
         assert quiet(auto(), workdir=work, stop_after_micro_steps=stop_at).stopped
+    return work
+
+
+def test_a_resumed_auto_run_makes_the_same_decisions(tmp_path, auto_run, auto_stopped):
+    whole, whole_dir = auto_run
+    work = shutil.copytree(auto_stopped, tmp_path / "stopped")
     last = quiet(auto(), workdir=work)
 
     def history(path):
@@ -495,10 +504,10 @@ def test_a_batch_changed_at_a_resume_ends_the_decay_where_the_run_ends(tmp_path)
     assert last["learning_rate"] == pytest.approx(3e-3 * expected, rel=1e-6)
 
 
-def test_an_auto_resume_cannot_lower_the_maximum_below_what_it_reached(tmp_path):
-    assert quiet(auto(), workdir=tmp_path, stop_after_micro_steps=41).stopped  # reached 128
+def test_an_auto_resume_cannot_lower_the_maximum_below_what_it_reached(tmp_path, auto_stopped):
+    work = shutil.copytree(auto_stopped, tmp_path / "stopped")  # stopped at 128, since step 10
     with pytest.raises(BatchPlanError, match="reached a global batch of 128"):
-        quiet(auto("batch.max_global_batch_size=64"), workdir=tmp_path)
+        quiet(auto("batch.max_global_batch_size=64"), workdir=work)
 
 
 def test_a_run_by_examples_grows_only_with_allow_longer(tmp_path):
