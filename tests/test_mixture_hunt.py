@@ -124,15 +124,32 @@ def test_stages_take_spaces_around_equals_and_refuse_an_infinite_weight(nanogpt,
     assert "'code=inf' needs a finite weight > 0" in done.stderr, done.stderr
 
 
-def test_eval_of_a_mixture_run_gives_the_runs_eval_loss(nanogpt, tmp_path):
+@pytest.fixture(scope="module")
+def config_file_run(nanogpt, tmp_path_factory):
+    """A run of a config file whose data.mixture (web alone) the command line replaces
+    with web and code: the config file, the run's workdir and its summary."""
+    tmp = tmp_path_factory.mktemp("config_file")
+    (tmp / "mix.py").write_text(
+        "from jaxkit.config import load_config\n\n"
+        "def get_config():\n"
+        "    c = load_config('lm_tiny')\n"
+        "    c.data.source = 'tokens'\n"
+        "    c.data.path = None\n"
+        f"    c.data.mixture = {{'web': {{'path': {str(nanogpt)!r}, 'weight': 1}}}}\n"
+        "    return c\n"
+    )
+    mix = _mix(web=nanogpt / "train.bin", code=nanogpt / "val.bin")
+    done = jaxkit(*RUN[:1], str(tmp / "mix.py"), *RUN[2:], mix, "--workdir", str(tmp / "run"))
+    assert done.returncode == 0, done.stderr
+    return tmp / "mix.py", str(tmp / "run"), json.loads((tmp / "run" / "summary.json").read_text())
+
+
+def test_eval_of_a_mixture_run_gives_the_runs_eval_loss(nanogpt, config_file_run):
     """`jaxkit eval RUN` reads the run's saved config, data.mixture and all (a key saved as
     its fields was taken for one added since, and set to null), and evaluates every source's
-    held-out rows as the run did: the same batches in the same order, so the same loss."""
-    run = str(tmp_path / "run")
-    mix = _mix(web=nanogpt / "train.bin", code=nanogpt / "val.bin")
-    done = jaxkit(*RUN, mix, "--workdir", run)
-    assert done.returncode == 0, done.stderr
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    held-out rows as the run did: the same batches in the same order, so the same loss. The
+    run's mixture is the command line's, not its config file's (web alone)."""
+    _, run, summary = config_file_run
     done = jaxkit("eval", run, "--json")
     assert done.returncode == 0, done.stderr
     said = json.loads(done.stdout.splitlines()[-1])
@@ -149,29 +166,13 @@ def test_eval_of_a_mixture_run_gives_the_runs_eval_loss(nanogpt, tmp_path):
     assert said == summary["eval_loss_by_source"]["web"]
 
 
-def test_the_command_line_replaces_a_config_files_mixture(nanogpt, tmp_path):
+def test_the_command_line_replaces_a_config_files_mixture(nanogpt, tmp_path, config_file_run):
     """A config file's data.mixture (a dict) is replaced whole by data.mixture=JSON, or
     unset by data.mixture=null beside a data.path, as any dict-valued key is."""
-    (tmp_path / "mix.py").write_text(
-        "from jaxkit.config import load_config\n\n"
-        "def get_config():\n"
-        "    c = load_config('lm_tiny')\n"
-        "    c.data.source = 'tokens'\n"
-        "    c.data.path = None\n"
-        f"    c.data.mixture = {{'web': {{'path': {str(nanogpt)!r}, 'weight': 1}}}}\n"
-        "    return c\n"
-    )
-    mix = _mix(web=nanogpt / "train.bin", code=nanogpt / "val.bin")
-    done = jaxkit(
-        *RUN[:1], str(tmp_path / "mix.py"), *RUN[2:], mix, "--workdir", str(tmp_path / "a")
-    )
-    assert done.returncode == 0, done.stderr
-    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    config_file, _, summary = config_file_run
     assert summary["examples_by_source"] == {"code": 16, "web": 16}
     one = ["data.mixture=null", f"data.path={nanogpt}"]
-    done = jaxkit(
-        *RUN[:1], str(tmp_path / "mix.py"), *RUN[2:], *one, "--workdir", str(tmp_path / "b")
-    )
+    done = jaxkit(*RUN[:1], str(config_file), *RUN[2:], *one, "--workdir", str(tmp_path / "b"))
     assert done.returncode == 0, done.stderr
     assert "examples_by_source" not in json.loads((tmp_path / "b" / "summary.json").read_text())
 
