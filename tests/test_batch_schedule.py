@@ -490,16 +490,16 @@ def test_a_batch_changed_at_a_resume_keeps_the_runs_length_in_examples(tmp_path)
 
 
 def test_a_batch_changed_at_a_resume_ends_the_decay_where_the_run_ends(tmp_path):
-    config = digits("train.steps=30", "train.log_every=1", "optimizer.warmup_steps=2")
-    assert quiet(config, workdir=tmp_path, stop_after_micro_steps=15).stopped
+    config = digits("train.steps=10", "train.log_every=1", "optimizer.warmup_steps=2")
+    assert quiet(config, workdir=tmp_path, stop_after_micro_steps=5).stopped
     apply_overrides(config, ["batch.global_batch_size=64"])
     result = quiet(config, workdir=tmp_path, allow_batch_change=True)
     schedule = result.summary["batch_schedule"]
-    # 15 steps of 32 then 15 of 64: the decay spans 1,440 examples, not 30 × 64.
-    assert schedule["total_examples"] == result.summary["examples_seen"] == 15 * 32 + 15 * 64
+    # 5 steps of 32 then 5 of 64: the decay spans 480 examples, not 10 × 64.
+    assert schedule["total_examples"] == result.summary["examples_seen"] == 5 * 32 + 5 * 64
     last = train_records(result)[-1]
     end = config.optimizer.final_lr_fraction
-    progress = (1440 - 64 - 2 * 32) / (1440 - 2 * 32)  # the last step starts 64 before
+    progress = (480 - 64 - 2 * 32) / (480 - 2 * 32)  # the last step starts 64 before
     expected = end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress))
     assert last["learning_rate"] == pytest.approx(3e-3 * expected, rel=1e-6)
 
