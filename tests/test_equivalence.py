@@ -125,7 +125,10 @@ def reference_run(config, init_params):
 
     source, _ = make_sources(config)
     params = jax.device_put(init_params, jax.devices()[0])
-    opt_state, losses, grad_norms = tx.init(params), [], []
+    # Committed to the device as the step's outputs are: an optimizer state fresh from
+    # tx.init would make the second call compile the step again.
+    opt_state = jax.device_put(tx.init(params), jax.devices()[0])
+    losses, grad_norms = [], []
     trajectory = [jax.device_get(params)]
     for i in range(STEPS):
         batch = source[global_batch_rows(i, 32, len(source), config.train.seed)]
