@@ -170,10 +170,41 @@ def test_a_running_report_is_redrawn_when_redraw_seconds_have_passed_and_at_the_
     common.drive(report, [1, 2, 3, 4], do_unit, render, "units", echo=lambda _: None)
     assert common.REDRAW_SECONDS == 30.0
     assert drawn == [[1, 2], [1, 2, 3, 4]]  # at 40 s (not 20 s, nor 60 s), and at the end
-    assert seen[:3] == ["", "", seen[2]] and "2 of 4 units done, still running" in seen[2]
+    # Written at once, before any unit: a report left in the directory by an earlier
+    # experiment does not pass for this one's; no figure yet.
+    assert "0 of 4 units done, still running" in seen[0] and "units done:" not in seen[0]
+    assert seen[1] == seen[0]  # unit 1 ended at 20 s: not redrawn
+    assert "2 of 4 units done, still running" in seen[2]
     assert "units done: [1, 2]" in seen[3]  # unit 3 ended 20 s after the drawing: kept
     final = (tmp_path / "report.md").read_text()
     assert "units done: [1, 2, 3, 4]" in final and "Partial" not in final
+
+
+def test_ctrl_c_during_the_last_drawing_leaves_a_report_that_says_so(tmp_path):
+    report = common.Report(tmp_path, "units")
+    drawings: list[int] = []
+
+    def render(r: common.Report) -> None:
+        drawings.append(1)
+        if len(drawings) == 1:  # the drawing after the last unit, a long one on a CPU
+            raise KeyboardInterrupt
+        r.text("both units drawn")
+
+    with pytest.raises(experiments.Interrupted):
+        common.drive(report, [1, 2], lambda _: None, render, "units", echo=lambda _: None)
+    text = (tmp_path / "report.md").read_text()
+    assert "interrupted after 2 of 2 units" in text and "both units drawn" in text
+
+
+def test_a_split_given_twice_is_refused_before_any_training(tmp_path):
+    out = tmp_path / "twice"
+    done = jaxkit(
+        "experiment", "equivalence", "mlp_digits", "--splits", "1x32x1,4x8x1,1x32x1",
+        "--steps", "2", "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].endswith("--splits: 1×32×1 is given twice")
+    assert not out.exists()
 
 
 def test_memory_is_flat_in_accumulation_and_grows_with_the_batch(tmp_path):

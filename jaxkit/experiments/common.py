@@ -123,8 +123,12 @@ def drive(
         return report.write(status)
 
     bar = tqdm.tqdm(total=len(units), unit=what, file=sys.stderr, dynamic_ncols=True)
-    drawn = time.monotonic()
     try:
+        # At once, without figures: a report an earlier experiment left in this directory
+        # must not pass for this one's until the first drawing.
+        report.blocks = []
+        report.write(f"Partial report: 0 of {len(units)} {what} done, still running.")
+        drawn = time.monotonic()
         for unit in units:
             bar.set_postfix_str(str(unit))
             do_unit(unit)
@@ -133,6 +137,9 @@ def drive(
             if done < len(units) and time.monotonic() - drawn >= REDRAW_SECONDS:
                 rewrite(f"Partial report: {done} of {len(units)} {what} done, still running.")
                 drawn = time.monotonic()
+        # Inside the try: Ctrl-C or an error while the last drawing runs (seconds) still
+        # leaves a report that says so.
+        return rewrite()
     except (KeyboardInterrupt, Interrupted):
         rewrite(
             f"Partial report: interrupted after {done} of {len(units)} {what}; "
@@ -150,7 +157,6 @@ def drive(
         raise
     finally:
         bar.close()
-    return rewrite()
 
 
 def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
@@ -194,7 +200,10 @@ def parse_splits(text: str) -> list[Split]:
             raise ExperimentError(
                 f"--splits: {part!r} is not DEVICESxPER_DEVICExACCUM (e.g. 4x8x1)"
             ) from None
-        splits.append(Split(d, b, k))
+        split = Split(d, b, k)
+        if split in splits:  # trained twice, it would show once in every table and figure
+            raise ExperimentError(f"--splits: {split.name} is given twice")
+        splits.append(split)
     return splits
 
 
