@@ -110,17 +110,22 @@ def test_equivalence_refuses_a_mesh_a_split_cannot_take_before_training(
     assert not (tmp_path / "report.md").exists()  # refused before any split trained
 
 
-def test_ctrl_c_leaves_a_partial_report_that_says_so(tmp_path, monkeypatch):
+def _second_split_raises(monkeypatch, error: BaseException) -> None:
+    """equivalence trains its first split, then raises `error` as the second starts."""
     calls = []
     real = equivalence.train_split
 
-    def train_then_interrupt(*args, **kwargs):
+    def train_then_raise(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            raise error
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(equivalence, "train_split", train_then_interrupt)
+    monkeypatch.setattr(equivalence, "train_split", train_then_raise)
+
+
+def test_ctrl_c_leaves_a_partial_report_that_says_so(tmp_path, monkeypatch):
+    _second_split_raises(monkeypatch, KeyboardInterrupt())
     with pytest.raises(experiments.Interrupted):
         experiments.run("equivalence", _digits(), tmp_path, experiments.Options(steps=2))
     report = (tmp_path / "report.md").read_text()
@@ -129,16 +134,7 @@ def test_ctrl_c_leaves_a_partial_report_that_says_so(tmp_path, monkeypatch):
 
 
 def test_an_error_leaves_a_partial_report_that_names_it(tmp_path, monkeypatch):
-    calls = []
-    real = equivalence.train_split
-
-    def train_then_fail(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the second split broke")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(equivalence, "train_split", train_then_fail)
+    _second_split_raises(monkeypatch, RuntimeError("the second split broke"))
     with pytest.raises(RuntimeError, match="the second split broke"):
         experiments.run("equivalence", _digits(), tmp_path, experiments.Options(steps=2))
     report = (tmp_path / "report.md").read_text()
@@ -196,10 +192,11 @@ def test_ctrl_c_during_the_last_drawing_leaves_a_report_that_says_so(tmp_path):
     assert "interrupted after 2 of 2 units" in text and "both units drawn" in text
 
 
-def test_a_split_given_twice_is_refused_before_any_training(tmp_path):
+@pytest.mark.parametrize("name", ["equivalence", "normalisation"])
+def test_a_split_given_twice_is_refused_before_any_training(tmp_path, name):
     out = tmp_path / "twice"
     done = jaxkit(
-        "experiment", "equivalence", "mlp_digits", "--splits", "1x32x1,4x8x1,1x32x1",
+        "experiment", name, "mlp_digits", "--splits", "1x32x1,4x8x1,1x32x1",
         "--steps", "2", "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 2

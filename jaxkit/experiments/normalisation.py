@@ -321,7 +321,8 @@ def _plan(request: Request) -> tuple[_Runs, list[Unit]]:
 def _check_splits_fit(
     config: ml_collections.ConfigDict, splits: list[Split], g: int, devices: list[jax.Device]
 ) -> None:
-    """Each split cuts the global batch `g` on devices there are, and is given once."""
+    """Each split cuts the global batch `g` on devices there are (parse_splits has refused
+    a split given twice)."""
     for split in splits:
         check_global_batch(split, g)
         if split.devices > len(devices):
@@ -329,8 +330,6 @@ def _check_splits_fit(
                 f"split {split.name} needs {split.devices} devices; {len(devices)} are "
                 "available (--host-devices N simulates more on the CPU)"
             )
-    if len(set(splits)) < len(splits):
-        raise ExperimentError("--splits: a split is given twice")
     for split in splits:  # all refused before any training
         split_mesh(config, split)
 
