@@ -3,6 +3,7 @@
 import re
 
 import doc_blocks
+import numpy as np
 import pytest
 from cli_run import jaxkit
 
@@ -202,6 +203,26 @@ def test_a_split_given_twice_is_refused_before_any_training(tmp_path, name):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].endswith("--splits: 1×32×1 is given twice")
     assert not out.exists()
+
+
+def test_batch_size_says_what_a_batch_that_does_not_divide_the_budget_trains(tmp_path):
+    options = experiments.Options(steps=3, global_batch_sizes="40,16")
+    report = experiments.run("batch-size", _digits(), tmp_path, options).read_text()
+    # 3 steps × 32 = 96 examples: 40 trains 2 whole steps (80 examples), 16 six (96).
+    assert "Every run sees" not in report
+    assert "16: 6 steps, 96 examples, 40: 2 steps, 80 examples" in report
+
+
+def test_equivalence_relative_loss_difference_is_each_steps_not_the_curves():
+    ref, other = equivalence.Split(1, 32, 1), equivalence.Split(4, 8, 1)
+    run = {"params": {"w": np.zeros(2)}, "step_s": None, "memory": None}
+    results = {
+        ref: {**run, "losses": np.array([100.0, 1.0])},
+        other: {**run, "losses": np.array([100.0, 1.1])},
+    }
+    _, worst_loss, _ = equivalence._splits_table(results, ref)
+    # 0.1 off a loss of 1 is 10%, whatever the first step's loss was (not 0.1 / 100).
+    assert worst_loss == pytest.approx(0.1)
 
 
 def test_memory_is_flat_in_accumulation_and_grows_with_the_batch(tmp_path):

@@ -89,11 +89,20 @@ def run(request: Request) -> pathlib.Path:
         }
 
     def render(report: Report) -> None:
+        g0 = base.global_batch_size
+        budget_text = f"{budget:,} examples (= {steps} steps × the config's global batch {g0})"
+        if all(n * g == budget for g, n, _ in units):
+            seen = f"Every run sees {budget_text}"
+        else:  # a batch that does not divide the budget trains whole steps of its own
+            seen = (
+                f"Each run is given {budget_text}, rounded down to whole steps of its "
+                "batch (at least one): "
+                + ", ".join(f"{g}: {n} steps, {n * g:,} examples" for g, n, _ in units)
+            )
         report.text(
             f"Config `{config.get('name')}` on {len(devices)} {devices[0].platform} devices. "
-            f"Every run sees {budget:,} examples (= {steps} steps × the config's global batch "
-            f"{base.global_batch_size}); learning rate scaled from "
-            f"{base.learning_rate:g} at {base.global_batch_size} by the `{rule}` rule."
+            f"{seen}; learning rate scaled from "
+            f"{base.learning_rate:g} at {g0} by the `{rule}` rule."
         )
         note = params_note(config)
         if note:

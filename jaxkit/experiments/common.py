@@ -19,6 +19,7 @@ from typing import NamedTuple, TypeVar
 
 import jax
 import ml_collections
+import numpy as np
 import tqdm
 from etils import epath
 from matplotlib.axes import Axes
@@ -157,6 +158,13 @@ def drive(
         raise
     finally:
         bar.close()
+
+
+def relative_difference(diff: np.ndarray, ref: np.ndarray) -> float | None:
+    """Max of diff / |ref| step by step, over the scored steps whose reference loss is not
+    0 (nothing to be relative to); None if none."""
+    scored = np.isfinite(ref) & np.isfinite(diff) & (np.abs(ref) > 0)
+    return float((diff[scored] / np.abs(ref[scored])).max()) if scored.any() else None
 
 
 def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:

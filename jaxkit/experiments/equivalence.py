@@ -26,6 +26,7 @@ from jaxkit.experiments.common import (
     params_note,
     parse_splits,
     preamble,
+    relative_difference,
     split_mesh,
     train_split,
 )
@@ -122,8 +123,10 @@ def _splits_table(
     ref = results[ref_split]
     rows, worst_loss, worst_param = [], 0.0, 0.0
     for split, r in results.items():
-        d_loss = float(np.max(np.abs(r["losses"] - ref["losses"])))
-        rel = d_loss / float(np.max(np.abs(ref["losses"])))
+        diff = np.abs(r["losses"] - ref["losses"])
+        d_loss = float(np.max(diff))
+        rel = relative_difference(diff, ref["losses"])  # each step's, not the curve's
+        rel = float("nan") if rel is None else rel  # no finite loss to compare
         d_param = max(
             float(np.max(np.abs(a - b)))
             for a, b in zip(

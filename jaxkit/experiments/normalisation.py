@@ -40,6 +40,7 @@ from jaxkit.experiments.common import (
     params_note,
     parse_splits,
     preamble,
+    relative_difference,
     split_mesh,
     train_split,
 )
@@ -107,14 +108,7 @@ def _spread(curves: Sequence[np.ndarray], ref: np.ndarray) -> dict[str, Any] | N
         return None
     stacked = np.stack(curves)
     spread = stacked.max(axis=0) - stacked.min(axis=0)  # NaN on unscored steps
-    return {"abs": _max(spread), "rel": _relative(spread, ref)}
-
-
-def _relative(diff: np.ndarray, ref: np.ndarray) -> float | None:
-    """Max of diff / |ref| over the scored steps whose reference loss is not 0 (nothing
-    to be relative to); None if none."""
-    scored = np.isfinite(ref) & np.isfinite(diff) & (np.abs(ref) > 0)
-    return float((diff[scored] / np.abs(ref[scored])).max()) if scored.any() else None
+    return {"abs": _max(spread), "rel": relative_difference(spread, ref)}
 
 
 def _loss_or_none(value: float) -> float | None:
@@ -157,7 +151,7 @@ def summarise(
                 "final_loss": _loss_or_none(curve[-1]),
                 "eval_loss": eval_losses[unit],
                 "max_abs_diff_vs_reference": _max(diff),
-                "max_rel_diff_vs_reference": _relative(diff, ref),
+                "max_rel_diff_vs_reference": relative_difference(diff, ref),
                 "losses": [_loss_or_none(x) for x in curve],
             }
         )
