@@ -205,9 +205,11 @@ def test_a_split_given_twice_is_refused_before_any_training(tmp_path, name):
     assert not out.exists()
 
 
-def test_batch_size_says_what_a_batch_that_does_not_divide_the_budget_trains(tmp_path):
+def test_batch_size_says_what_a_batch_that_does_not_divide_the_budget_trains(tmp_path, capsys):
     options = experiments.Options(steps=3, global_batch_sizes="40,16")
     report = experiments.run("batch-size", _digits(), tmp_path, options).read_text()
+    progress = capsys.readouterr().err
+    assert "global batch 40" in progress and "learning_rate" not in progress  # not the config
     # 3 steps × 32 = 96 examples: 40 trains 2 whole steps (80 examples), 16 six (96).
     assert "Every run sees" not in report
     assert "16: 6 steps, 96 examples, 40: 2 steps, 80 examples" in report

@@ -9,7 +9,7 @@ the same fraction of each run. Plotted against examples seen and against optimiz
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_collections
 import numpy as np
@@ -33,6 +33,17 @@ from jaxkit.experiments.common import (
 DEFAULT_STEPS = 40
 
 
+class _Run(NamedTuple):
+    """One global batch's run: its batch, its optimizer steps and its config."""
+
+    g: int
+    steps: int
+    config: ml_collections.ConfigDict
+
+    def __str__(self) -> str:  # the progress bar's label (not the whole config)
+        return f"global batch {self.g}"
+
+
 def _sizes(text: str | None, base: int) -> list[int]:
     if text is None:
         return [base // 2, base, base * 2, base * 4] if base % 2 == 0 else [base, base * 2]
@@ -54,7 +65,7 @@ def run(request: Request) -> pathlib.Path:
     budget = steps * base.global_batch_size  # examples every run sees
     runs: dict[int, dict[str, Any]] = {}
     skipped: list[str] = []
-    units: list[tuple[int, int, ml_collections.ConfigDict]] = []
+    units: list[_Run] = []
     for g in _sizes(options.global_batch_sizes, base.global_batch_size):
         c = ml_collections.ConfigDict(config.to_dict())
         c.batch.global_batch_size, c.batch.grad_accum_steps = g, None
@@ -72,12 +83,12 @@ def run(request: Request) -> pathlib.Path:
                 continue
         run_steps = max(budget // g, 1)
         c.optimizer.warmup_steps = round(config.optimizer.warmup_steps * run_steps / steps)
-        units.append((g, run_steps, c))
+        units.append(_Run(g, run_steps, c))
     if not units:
         raise ExperimentError("no global batch size fits the mesh:\n" + "\n".join(skipped))
     check_units([(f"global batch {g}", unit_config(c, n), devices) for g, n, c in units])
 
-    def do_unit(unit: tuple[int, int, ml_collections.ConfigDict]) -> None:
+    def do_unit(unit: _Run) -> None:
         g, run_steps, c = unit
         result = train_unit(c, devices, run_steps)
         records = [r for r in result.records if "loss" in r]
