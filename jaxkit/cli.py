@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             for sig, handler in previous.items():
                 if handler is not None:
                     signal.signal(sig, handler)
-    if code == INTERRUPTED:
+    if code in (INTERRUPTED, TERMINATED):
         # XLA's threads can crash the interpreter's teardown after a Ctrl-C (status 139 or
         # -11 instead of 130): leave now, with what was printed flushed.
         sys.stdout.flush()

@@ -81,6 +81,10 @@ class RunResult:
     records: list[dict]  # every train and eval record, as written to metrics.jsonl
     summary: dict
     stopped: bool = False  # by SIGTERM/SIGINT (or stop_after_micro_steps), after saving
+    # Every stop asked for, by name, first first: also one at the last step, which only
+    # finishes the run (stopped stays False). A caller that trains on afterwards (an
+    # experiment's next unit) must not drop it.
+    stop_requests: tuple[str, ...] = ()
 
 
 def train(
@@ -195,10 +199,21 @@ def _train(
         if run.stop_signal:
             echo(checkpoints.stop_message(run.stop_signal, run.step_plan.grad_accum_steps))
             return RunResult(
-                plan=start.plan, state=run.state, records=run.records, summary={}, stopped=True
+                plan=start.plan,
+                state=run.state,
+                records=run.records,
+                summary={},
+                stopped=True,
+                stop_requests=tuple(run.stop_requests),
             )
         summary = _summary(run, parts.eval_source, checkpoints)
-    return RunResult(plan=start.plan, state=run.state, records=run.records, summary=summary)
+    return RunResult(
+        plan=start.plan,
+        state=run.state,
+        records=run.records,
+        summary=summary,
+        stop_requests=tuple(run.stop_requests),
+    )
 
 
 class _Parts(NamedTuple):

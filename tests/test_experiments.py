@@ -1,6 +1,11 @@
 """Each experiment end to end on the digits MLP: its report's tables say what they should."""
 
+import contextlib
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import doc_blocks
 import numpy as np
@@ -10,6 +15,7 @@ from cli_run import jaxkit
 from jaxkit import experiments
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.experiments import common, equivalence
+from jaxkit.loop import train
 
 
 def _digits(*overrides):
@@ -191,6 +197,113 @@ def test_ctrl_c_during_the_last_drawing_leaves_a_report_that_says_so(tmp_path):
         common.drive(report, [1, 2], lambda _: None, render, "units", echo=lambda _: None)
     text = (tmp_path / "report.md").read_text()
     assert "interrupted after 2 of 2 units" in text and "both units drawn" in text
+
+
+def test_sigterm_between_units_leaves_a_report_that_says_so(tmp_path):
+    report = common.Report(tmp_path, "units")
+    done: list[int] = []
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def do_unit(unit: int) -> None:
+        if unit == 2:  # a job's SIGTERM (a requeue, a preemption) outside any training
+            signal.raise_signal(signal.SIGTERM)
+        done.append(unit)
+
+    with pytest.raises(experiments.Interrupted) as stop:
+        common.drive(report, [1, 2, 3], do_unit, lambda r: None, "units", echo=lambda _: None)
+    assert stop.value.signal_name == "SIGTERM" and done == [1]
+    text = (tmp_path / "report.md").read_text()
+    assert "terminated (SIGTERM) after 1 of 3 units" in text
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # the caller's are back
+
+
+def test_a_ctrl_c_whose_exception_was_dropped_still_stops_the_experiment(tmp_path):
+    report = common.Report(tmp_path, "units")
+    done: list[int] = []
+
+    def do_unit(unit: int) -> None:
+        if unit == 1:
+            # Where a garbage-collection callback runs the handler, its KeyboardInterrupt
+            # is printed as "Exception ignored" and dropped: this suppress stands for that.
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        done.append(unit)
+
+    with pytest.raises(experiments.Interrupted) as stop:
+        common.drive(report, [1, 2, 3], do_unit, lambda r: None, "units", echo=lambda _: None)
+    assert stop.value.signal_name == "SIGINT" and done == [1]  # unit 2 never started
+    assert "interrupted after 1 of 3 units" in (tmp_path / "report.md").read_text()
+
+
+def test_a_ctrl_c_at_a_units_last_step_stops_the_experiment(tmp_path):
+    sent = []
+
+    def press_ctrl_c(line):  # the last step's line, once the loop is past its last stop check
+        if line.startswith("step      3  loss") and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    config = _digits("train.steps=3", "train.log_every=1", "train.eval_every=0")
+    result = train(config, None, progress=False, echo=press_ctrl_c)
+    # The run itself finishes (nothing is left to resume), but says a stop came ...
+    assert sent and not result.stopped and result.stop_requests == ("SIGINT",)
+    # ... which an experiment training its next unit must not drop.
+    with pytest.raises(experiments.Interrupted) as stop:
+        common.stopped_by(result)
+    assert stop.value.signal_name == "SIGINT"
+
+
+# `jaxkit experiment` as the console script runs it; SIGTERM as the second split starts.
+SIGTERM_AT_SECOND_SPLIT = r"""
+import signal, sys
+
+from jaxkit import cli
+from jaxkit.experiments import equivalence
+
+real, calls = equivalence.train_split, []
+
+
+def train_split(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        signal.raise_signal(signal.SIGTERM)
+    return real(*args, **kwargs)
+
+
+equivalence.train_split = train_split
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_in_an_experiment_exits_143_with_a_partial_report(tmp_path):
+    argv = ["experiment", "equivalence", "mlp_digits", "--steps", "2"]
+    argv += ["--splits", "1x32x1,2x16x1", "--out", str(tmp_path)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AT_SECOND_SPLIT, *argv],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+        timeout=300,
+    )
+    assert done.returncode == 143, done.stderr[-2000:]
+    report = tmp_path / "report.md"
+    assert done.stdout.splitlines()[-1] == (
+        f"terminated (SIGTERM): partial report at {report.resolve()}"
+    )
+    text = report.read_text()
+    assert "terminated (SIGTERM) after 1 of 2 splits" in text
+    assert [r[0] for r in _rows(text, "split")] == ["1×32×1"]
+
+
+def test_a_global_batch_size_given_twice_is_refused_before_any_training(tmp_path):
+    options = experiments.Options(steps=2, global_batch_sizes="40,16,16")
+    with pytest.raises(
+        experiments.ExperimentError, match="--global-batch-sizes: 16 is given twice"
+    ):
+        experiments.run("batch-size", _digits(), tmp_path / "twice", options)
+    assert not (tmp_path / "twice").exists()
 
 
 @pytest.mark.parametrize("name", ["equivalence", "normalisation"])

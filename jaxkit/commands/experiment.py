@@ -138,8 +138,9 @@ def run(
     except experiments.ExperimentError as err:
         print(f"jaxkit: error: {err}", file=sys.stderr)
         return 2
-    except experiments.Interrupted:
-        print(f"interrupted: partial report at {pathlib.Path(out).resolve()}/report.md")
-        return common.INTERRUPTED
+    except experiments.Interrupted as stop:
+        how = "terminated (SIGTERM)" if stop.signal_name == "SIGTERM" else "interrupted"
+        print(f"{how}: partial report at {pathlib.Path(out).resolve()}/report.md")
+        return common.TERMINATED if stop.signal_name == "SIGTERM" else common.INTERRUPTED
     print(f"report: {path.resolve()}")
     return 0

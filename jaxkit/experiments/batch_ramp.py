@@ -24,7 +24,6 @@ from jaxkit.batch_plan import BatchPlanError
 from jaxkit.batch_schedule import check_auto_samples, plan_from_config, schedule_from_config
 from jaxkit.experiments.common import (
     ExperimentError,
-    Interrupted,
     Report,
     Request,
     check_units,
@@ -33,6 +32,7 @@ from jaxkit.experiments.common import (
     lr_scaling,
     params_note,
     preamble,
+    stopped_by,
 )
 from jaxkit.loop import train
 
@@ -128,8 +128,7 @@ def run(request: Request) -> pathlib.Path:
 
     def do_unit(arm: Arm) -> None:
         result = train(arm.config, None, devices=devices, progress=False, echo=lambda *a: None)
-        if result.stopped:
-            raise Interrupted
+        stopped_by(result)
         records = [r for r in result.records if "loss" in r]
         runs[arm.name] = {
             "steps": np.array([r["step"] for r in records]),

@@ -48,14 +48,17 @@ def _sizes(text: str | None, base: int) -> list[int]:
     if text is None:
         return [base // 2, base, base * 2, base * 4] if base % 2 == 0 else [base, base * 2]
     try:
-        sizes = sorted({int(x) for x in text.split(",")})
+        given = [int(x) for x in text.split(",")]
     except ValueError:
         raise ExperimentError(
             f"--global-batch-sizes={text!r} is not a list like 16,32,64"
         ) from None
-    if min(sizes) <= 0:
+    if min(given) <= 0:
         raise ExperimentError("--global-batch-sizes must be positive")
-    return sizes
+    for g in given:  # trained twice, it would show once in every table and figure
+        if given.count(g) > 1:
+            raise ExperimentError(f"--global-batch-sizes: {g} is given twice")
+    return sorted(given)
 
 
 def run(request: Request) -> pathlib.Path:

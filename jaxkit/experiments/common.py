@@ -12,9 +12,11 @@ import datetime
 import json
 import math
 import pathlib
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, TypeVar
 
 import jax
@@ -45,7 +47,20 @@ class ExperimentError(ValueError):
 
 
 class Interrupted(Exception):  # noqa: N818 — it is what happened, not a failure
-    """Ctrl-C (or SIGTERM) during an experiment: the report so far is written and marked."""
+    """Ctrl-C (or SIGTERM) during an experiment: the report so far is written and marked.
+    `signal_name` is the stop's: SIGINT or SIGTERM (the command's exit status follows it)."""
+
+    def __init__(self, signal_name: str = "SIGINT"):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+def stopped_by(result: RunResult) -> None:
+    """Raises Interrupted if a stop was asked for while `result`'s run trained: also one at
+    its last step, which finished that run but must stop the experiment."""
+    if result.stopped or result.stop_requests:
+        first = result.stop_requests[0] if result.stop_requests else "SIGINT"
+        raise Interrupted(first if first.startswith("SIG") else "SIGINT")
 
 
 @dataclasses.dataclass
@@ -98,6 +113,37 @@ class Report:
 REDRAW_SECONDS = 30.0
 
 
+@contextlib.contextmanager
+def _signals_noted() -> Iterator[list[str]]:
+    """While an experiment runs (between and around its training units, whose loop takes
+    the signals over), SIGINT and SIGTERM are noted by name, and the first is raised as
+    KeyboardInterrupt; a later one is only noted, so the partial report is finished rather
+    than torn.
+
+    The note outlives the exception: Python may raise it inside a garbage-collection callback
+    (jax registers one), where it is printed as "Exception ignored" and dropped; `drive` looks
+    at the note after each unit and after the last drawing, so such a stop is not lost. Only
+    the main thread takes signals: elsewhere nothing is installed.
+    """
+    noted: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        del frame
+        noted.append(signal.Signals(signum).name)
+        if len(noted) == 1:
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield noted
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def drive(
     report: Report,
     units: Sequence[U],
@@ -109,9 +155,9 @@ def drive(
     """Does each unit, re-rendering and rewriting the report after a unit when REDRAW_SECONDS
     have passed since it was last drawn, and after the last unit.
 
-    Ctrl-C (KeyboardInterrupt, or the loop's own SIGINT stop) writes what is done so far,
-    marked partial, and raises Interrupted; any other error writes it marked as stopped by
-    that error, and goes on up.
+    Ctrl-C or SIGTERM (during a unit's training, the loop's own stop) writes what is done
+    so far, marked partial, and raises Interrupted naming the signal; any other error writes
+    it marked as stopped by that error, and goes on up.
     """
     # Said here, once every unit has passed its checks, not before: a refused request
     # writes nothing.
@@ -124,40 +170,48 @@ def drive(
         return report.write(status)
 
     bar = tqdm.tqdm(total=len(units), unit=what, file=sys.stderr, dynamic_ncols=True)
-    try:
-        # At once, without figures: a report an earlier experiment left in this directory
-        # must not pass for this one's until the first drawing.
-        report.blocks = []
-        report.write(f"Partial report: 0 of {len(units)} {what} done, still running.")
-        drawn = time.monotonic()
-        for unit in units:
-            bar.set_postfix_str(str(unit))
-            do_unit(unit)
-            done += 1
-            bar.update(1)
-            if done < len(units) and time.monotonic() - drawn >= REDRAW_SECONDS:
-                rewrite(f"Partial report: {done} of {len(units)} {what} done, still running.")
-                drawn = time.monotonic()
-        # Inside the try: Ctrl-C or an error while the last drawing runs (seconds) still
-        # leaves a report that says so.
-        return rewrite()
-    except (KeyboardInterrupt, Interrupted):
-        rewrite(
-            f"Partial report: interrupted after {done} of {len(units)} {what}; "
-            "the figures below cover only those."
-        )
-        raise Interrupted from None
-    except Exception as e:
-        # The error goes on up whatever happens here: a report that cannot be drawn from
-        # the units done so far must not hide it.
-        with contextlib.suppress(Exception):
+    with _signals_noted() as noted:
+        try:
+            # At once, without figures: a report an earlier experiment left in this directory
+            # must not pass for this one's until the first drawing.
+            report.blocks = []
+            report.write(f"Partial report: 0 of {len(units)} {what} done, still running.")
+            drawn = time.monotonic()
+            for unit in units:
+                bar.set_postfix_str(str(unit))
+                do_unit(unit)
+                done += 1
+                bar.update(1)
+                if noted:  # a stop whose KeyboardInterrupt was dropped on the way
+                    raise KeyboardInterrupt
+                if done < len(units) and time.monotonic() - drawn >= REDRAW_SECONDS:
+                    rewrite(f"Partial report: {done} of {len(units)} {what} done, still running.")
+                    drawn = time.monotonic()
+            # Inside the try: Ctrl-C or an error while the last drawing runs (seconds) still
+            # leaves a report that says so.
+            path = rewrite()
+            if noted:
+                raise KeyboardInterrupt
+            return path
+        except (KeyboardInterrupt, Interrupted) as stop:
+            name = noted[0] if noted else getattr(stop, "signal_name", "SIGINT")
+            how = "terminated (SIGTERM)" if name == "SIGTERM" else "interrupted"
             rewrite(
-                f"Partial report: stopped by an error after {done} of {len(units)} {what} "
-                f"({type(e).__name__}); the figures below cover only those."
+                f"Partial report: {how} after {done} of {len(units)} {what}; "
+                "the figures below cover only those."
             )
-        raise
-    finally:
-        bar.close()
+            raise Interrupted(name) from None
+        except Exception as e:
+            # The error goes on up whatever happens here: a report that cannot be drawn from
+            # the units done so far must not hide it.
+            with contextlib.suppress(Exception):
+                rewrite(
+                    f"Partial report: stopped by an error after {done} of {len(units)} {what} "
+                    f"({type(e).__name__}); the figures below cover only those."
+                )
+            raise
+        finally:
+            bar.close()
 
 
 def relative_difference(diff: np.ndarray, ref: np.ndarray) -> float | None:
@@ -234,8 +288,7 @@ def train_unit(
 ) -> RunResult:
     """Trains `unit_config(config, steps)` on `devices`."""
     result = train(unit_config(config, steps), None, devices=devices, progress=False, echo=echo)
-    if result.stopped:
-        raise Interrupted
+    stopped_by(result)
     return result
 
 
