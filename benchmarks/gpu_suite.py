@@ -351,7 +351,10 @@ def imports(wheels: pathlib.Path) -> dict:
     """What the kit needs on the GPU machine, against what it will find there: every module
     the kit, gpu_lm125m.py and this script import (all but the standard library's and the
     optional ones), the kit's declared dependencies, and what each carried wheel requires,
-    each from the GPU image (IMAGE) or a wheel in `wheels`."""
+    each from the GPU image (IMAGE) or a wheel in `wheels`. A package of one of the kit's
+    extras (pyproject.toml's optional-dependencies: wandb, lm-eval, ...) is imported only
+    where its option is used, which the suite never does: it is listed under "extras", not
+    missing."""
     import tomllib
 
     carried = {_name(p.name.split("-")[0]) for p in wheels.glob("*.whl")}
@@ -360,15 +363,29 @@ def imports(wheels: pathlib.Path) -> dict:
     sources = [*sorted((ROOT / "jaxkit").rglob("*.py")), *sorted((ROOT / "configs").glob("*.py"))]
     sources += [ROOT / "benchmarks" / "gpu_lm125m.py", ROOT / "benchmarks" / "gpu_suite.py"]
     local = {"jaxkit", "configs"}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extra_of = {
+        _name(re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0]): extra
+        for extra, requirements in project.get("optional-dependencies", {}).items()
+        for requirement in requirements
+    }
     missing: dict[str, str] = {}
+    extras: dict[str, str] = {}
     for path in sources:
         for top in _imported(path):
             if top in sys.stdlib_module_names or top in local:
                 continue
             dists = by_top.get(top, [])
-            if not any(_name(d) in allowed for d in dists):
-                missing[top] = f"imported by {path.relative_to(ROOT)} (from {dists or 'nowhere'})"
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+            if any(_name(d) in allowed for d in dists):
+                continue
+            where = f"imported by {path.relative_to(ROOT)}"
+            extra = next(
+                (extra_of[n] for n in [*map(_name, dists), _name(top)] if n in extra_of), None
+            )
+            if extra is not None:
+                extras[top] = f"the {extra} extra, {where}"
+            else:
+                missing[top] = f"{where} (from {dists or 'nowhere'})"
     needs = {"pyproject.toml": project["dependencies"]}
     for wheel in wheels.glob("*.whl"):
         with zipfile.ZipFile(wheel) as z:
@@ -384,7 +401,7 @@ def imports(wheels: pathlib.Path) -> dict:
             name = _name(re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0])
             if name not in allowed and name != "jaxkit":
                 missing[name] = f"required by {who}"
-    return {"carried": sorted(carried), "missing": missing, "ok": not missing}
+    return {"carried": sorted(carried), "missing": missing, "extras": extras, "ok": not missing}
 
 
 def main(argv: list[str] | None = None) -> int:

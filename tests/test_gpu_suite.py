@@ -74,3 +74,15 @@ def test_the_hand_loop_benchmark_explains_an_mfu_above_100_percent(monkeypatch):
     assert "CPU peak was cached while this machine was busier" in lines[0]
     kit["hand_mfu"] = 0.99
     assert bench.peak_warning(kit, source) == []
+
+
+def test_the_import_check_tells_the_extras_from_what_is_missing(tmp_path):
+    # No wheel carried (tmp_path is empty): the kit's own dependencies the GPU image lacks
+    # are missing; the packages of its extras (wandb, lm-eval), imported only where their
+    # option is used, are listed apart. The dry run failed on them once the extras landed.
+    found = _suite().imports(tmp_path)
+    assert not found["ok"] and found["carried"] == []
+    assert "ml-collections" in found["missing"] and "tensorboardx" in found["missing"]
+    assert found["extras"]["wandb"] == "the wandb extra, imported by jaxkit/wandb_log.py"
+    assert found["extras"]["lm_eval"] == "the eval extra, imported by jaxkit/lm_eval_model.py"
+    assert not {"wandb", "lm_eval"} & set(found["missing"])
