@@ -102,8 +102,9 @@ def _start_jax(host_devices: int | None, cpu_only: bool = False, cache: bool = T
 
 
 def _leave_on_ctrl_c(signum: int, frame: object) -> None:
-    """SIGINT before a run trains (the loop takes it over while it trains) or while `plan`
-    compiles: nothing to save, so the process leaves now, with status 130.
+    """SIGINT before a run trains (the loop takes it over while it trains), while `plan`
+    compiles, or before an experiment's first unit (its report takes it over from there):
+    nothing to save, so the process leaves now, with status 130.
 
     Python's default raises KeyboardInterrupt wherever the interpreter next looks for
     signals, and that may be inside a garbage-collection callback (jax registers one, to
@@ -155,7 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     opts = parse_args(argv)
-    if opts.command in ("train", "plan") and threading.current_thread() is threading.main_thread():
+    # An experiment's drive takes both signals over as it starts writing its report; before
+    # that (its checks, the first compile) it has nothing to save either.
+    if (
+        opts.command in ("train", "plan", "experiment")
+        and threading.current_thread() is threading.main_thread()
+    ):
         signal.signal(signal.SIGINT, _leave_on_ctrl_c)
         # SIGTERM's default dumped a native stack trace mid-compile. With several processes
         # JAX's preemption service takes SIGTERM over when it starts, as it must.

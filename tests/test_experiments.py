@@ -297,6 +297,82 @@ def test_sigterm_in_an_experiment_exits_143_with_a_partial_report(tmp_path):
     assert [r[0] for r in _rows(text, "split")] == ["1×32×1"]
 
 
+# `jaxkit experiment` as the console script runs it; the signal in ARGV[1] comes while the
+# splits are checked, before the first trains, and its KeyboardInterrupt (if any) is dropped
+# as a garbage-collection callback drops it ("Exception ignored"): timing alone decided that.
+STOP_DURING_THE_CHECKS = r"""
+import contextlib, signal, sys
+
+from jaxkit import cli
+from jaxkit.experiments import equivalence
+
+real, name = equivalence.check_splits, sys.argv.pop(1)
+
+
+def check_splits(*args, **kwargs):
+    with contextlib.suppress(KeyboardInterrupt):
+        signal.raise_signal(getattr(signal, name))
+    return real(*args, **kwargs)
+
+
+equivalence.check_splits = check_splits
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "name, code, line",
+    [
+        ("SIGINT", 130, "jaxkit: interrupted"),
+        ("SIGTERM", 143, "jaxkit: terminated (SIGTERM) before training started: nothing to save"),
+    ],
+)
+def test_a_stop_before_the_first_unit_leaves_at_once_with_its_status(tmp_path, name, code, line):
+    out = tmp_path / "out"
+    argv = ["experiment", "equivalence", "mlp_digits", "--steps", "2"]
+    argv += ["--splits", "1x32x1,2x16x1", "--out", str(out)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", STOP_DURING_THE_CHECKS, name, *argv],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+        timeout=300,
+    )
+    # Ctrl-C trained every split and exited 0; SIGTERM killed the process without a word.
+    assert done.returncode == code, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == line
+    assert not out.exists() and "writing" not in done.stdout
+
+
+class _Left(Exception):  # noqa: N818 — stands for the process leaving, as Python's default does
+    pass
+
+
+def test_a_stop_as_the_report_is_announced_leaves_that_report(tmp_path):
+    def leave(signum, frame):
+        raise _Left
+
+    previous = signal.signal(signal.SIGINT, leave)  # what was in place before the report
+    try:
+        report = common.Report(tmp_path / "out", "units")
+        assert not (tmp_path / "out").exists()  # made by the first write, not before
+        done: list[int] = []
+
+        def echo(line: str) -> None:  # Ctrl-C as the report's path is printed
+            signal.raise_signal(signal.SIGINT)
+
+        with pytest.raises(experiments.Interrupted):
+            common.drive(report, [1, 2], done.append, lambda r: None, "units", echo=echo)
+        assert signal.getsignal(signal.SIGINT) is leave
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert done == []
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "interrupted after 0 of 2 units" in text
+
+
 def test_a_global_batch_size_given_twice_is_refused_before_any_training(tmp_path):
     options = experiments.Options(steps=2, global_batch_sizes="40,16,16")
     with pytest.raises(

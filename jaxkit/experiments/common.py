@@ -81,8 +81,9 @@ class Report:
     """A Markdown report with PNG figures, rewritten whole after every unit of work."""
 
     def __init__(self, out: pathlib.Path, title: str):
+        # OUT is made by the first write (`drive`'s, once its signal handlers are in place):
+        # a stop before it leaves no empty OUT behind.
         self.out, self.title = out, title
-        out.mkdir(parents=True, exist_ok=True)
         self.blocks: list[str] = []
         self.started = datetime.datetime.now().isoformat(timespec="seconds")
 
@@ -93,6 +94,7 @@ class Report:
         self.blocks.append(markdown_table(header, rows))
 
     def figure(self, fig: Figure, name: str, caption: str) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
         fig.savefig(self.out / name, dpi=110, bbox_inches="tight")
         self.blocks.append(f"![{caption}]({name})\n\n*{caption}*")
 
@@ -101,6 +103,7 @@ class Report:
         head = [f"# {self.title}", f"Started {self.started}."]
         if status:
             head.append(f"**{status}**")
+        self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "report.md"
         write_text_atomic(epath.Path(path), "\n\n".join(head + self.blocks) + "\n")
         return path
@@ -159,9 +162,6 @@ def drive(
     so far, marked partial, and raises Interrupted naming the signal; any other error writes
     it marked as stopped by that error, and goes on up.
     """
-    # Said here, once every unit has passed its checks, not before: a refused request
-    # writes nothing.
-    echo(f"{report.title}: {len(units)} {what}, writing {(report.out / 'report.md').resolve()}")
     done = 0
 
     def rewrite(status: str | None = None) -> pathlib.Path:
@@ -169,11 +169,19 @@ def drive(
         render(report)
         return report.write(status)
 
-    bar = tqdm.tqdm(total=len(units), unit=what, file=sys.stderr, dynamic_ncols=True)
+    # The handlers first: a stop as the report's path is said still leaves that report.
     with _signals_noted() as noted:
+        bar: tqdm.tqdm | None = None
         try:
+            # Said here, once every unit has passed its checks, not before: a refused
+            # request writes nothing.
+            echo(
+                f"{report.title}: {len(units)} {what}, writing "
+                f"{(report.out / 'report.md').resolve()}"
+            )
             # At once, without figures: a report an earlier experiment left in this directory
             # must not pass for this one's until the first drawing.
+            bar = tqdm.tqdm(total=len(units), unit=what, file=sys.stderr, dynamic_ncols=True)
             report.blocks = []
             report.write(f"Partial report: 0 of {len(units)} {what} done, still running.")
             drawn = time.monotonic()
@@ -211,7 +219,8 @@ def drive(
                 )
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
 
 
 def relative_difference(diff: np.ndarray, ref: np.ndarray) -> float | None:
