@@ -394,6 +394,19 @@ def test_a_split_given_twice_is_refused_before_any_training(tmp_path, name):
     assert not out.exists()
 
 
+def test_a_global_batch_size_the_mesh_cannot_split_is_refused_not_dropped(tmp_path):
+    out = tmp_path / "out"
+    done = jaxkit(
+        "experiment", "batch-size", "mlp_digits", "--global-batch-sizes", "30,32",
+        "--steps", "2", "--out", str(out),
+    )  # fmt: skip
+    # 30 rows on 8 devices: it trained 32 alone, exited 0 and said so only in report.md.
+    assert done.returncode == 2, done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("jaxkit: error: --global-batch-sizes: 30: ") and "16, 24, 32" in last
+    assert not out.exists()
+
+
 def test_batch_size_says_what_a_batch_that_does_not_divide_the_budget_trains(tmp_path, capsys):
     options = experiments.Options(steps=3, global_batch_sizes="40,16")
     report = experiments.run("batch-size", _digits(), tmp_path, options).read_text()

@@ -82,13 +82,16 @@ def run(request: Request) -> pathlib.Path:
             try:
                 plan_from_config(c, shape)
             except BatchPlanError as err:
+                if options.global_batch_sizes is not None:  # asked for: not dropped unsaid
+                    raise ExperimentError(f"--global-batch-sizes: {g}: {err}") from None
                 skipped.append(f"{g}: {err}")
+                request.echo(f"left out global batch {g}: {err}")
                 continue
         run_steps = max(budget // g, 1)
         c.optimizer.warmup_steps = round(config.optimizer.warmup_steps * run_steps / steps)
         units.append(_Run(g, run_steps, c))
     if not units:
-        raise ExperimentError("no global batch size fits the mesh:\n" + "\n".join(skipped))
+        raise ExperimentError("no global batch size fits the mesh: " + "; ".join(skipped))
     check_units([(f"global batch {g}", unit_config(c, n), devices) for g, n, c in units])
 
     def do_unit(unit: _Run) -> None:
