@@ -199,6 +199,25 @@ def test_ctrl_c_leaves_a_partial_report_with_the_runs_done(padded, tmp_path, mon
     assert (numbers["runs_done"], numbers["runs_planned"]) == (1, 4)
 
 
+def test_a_stop_before_the_first_run_leaves_no_earlier_experiments_numbers(tmp_path, monkeypatch):
+    # OUT holds a finished experiment's report and numbers; this one is stopped as its first
+    # run trains, before any drawing.
+    (tmp_path / "report.md").write_text("# an earlier experiment's report\n")
+    earlier = {"runs_done": 4, "runs_planned": 4, "steps": 20}
+    (tmp_path / "normalisation.json").write_text(json.dumps(earlier))
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(normalisation, "train_split", interrupt)
+    options = experiments.Options(steps=2, splits="8x4x1,8x2x2")
+    with pytest.raises(experiments.Interrupted):
+        experiments.run("normalisation", load_config("mlp_digits"), tmp_path, options)
+    assert "interrupted after 0 of 4 runs" in (tmp_path / "report.md").read_text()
+    # It stayed, 4 of 4 runs done, beside the report of this one's 0.
+    assert not (tmp_path / "normalisation.json").exists()
+
+
 @pytest.mark.parametrize(
     "global_batch,live,want",
     [

@@ -80,10 +80,14 @@ class Options:
 class Report:
     """A Markdown report with PNG figures, rewritten whole after every unit of work."""
 
-    def __init__(self, out: pathlib.Path, title: str):
+    def __init__(self, out: pathlib.Path, title: str, replaces: Sequence[str] = ()):
+        """`replaces`: files beside report.md that the rendering writes (a JSON of numbers):
+        an earlier experiment's, left in OUT, go with the first write, so that they cannot
+        pass for this one's before its first drawing writes them, or if it never does."""
         # OUT is made by the first write (`drive`'s, once its signal handlers are in place):
         # a stop before it leaves no empty OUT behind.
         self.out, self.title = out, title
+        self.replaces = tuple(replaces)
         self.blocks: list[str] = []
         self.started = datetime.datetime.now().isoformat(timespec="seconds")
 
@@ -106,6 +110,9 @@ class Report:
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "report.md"
         write_text_atomic(epath.Path(path), "\n\n".join(head + self.blocks) + "\n")
+        for name in self.replaces:  # after the report that is marked as this one's
+            (self.out / name).unlink(missing_ok=True)
+        self.replaces = ()
         return path
 
 

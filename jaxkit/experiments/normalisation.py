@@ -280,7 +280,7 @@ def run(request: Request) -> pathlib.Path:
     """Trains every split exact, then naive, rewriting the report after each run."""
     runs, units = _plan(request)
     title = f"Loss normalisation: exact against naive over splits of {runs.global_batch}"
-    report = Report(request.out, title)
+    report = Report(request.out, title, replaces=[JSON_NAME])
     return drive(
         report,
         units,
