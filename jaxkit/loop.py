@@ -194,7 +194,11 @@ def _train(
     ]
     batches = Batches(config, start.setup, parts.train_source)
     run = Run(config, start, programs, tracker, batches, echo, progress, run_dir, events, pieces)
-    with _wandb_run_ends(run):
+    # The loop's stop requests hold until the summary is written: a stop after the last
+    # step (SIGTERM, Ctrl-C) is noted, not taken for one before training started. With
+    # several processes, JAX's preemption service takes SIGTERM (StopRequests).
+    stops = _stop_requests(handle_sigterm=jax.process_count() == 1)
+    with stops as run.stop_requests, _wandb_run_ends(run):
         _train_steps(run)
         if run.stop_signal:
             echo(checkpoints.stop_message(run.stop_signal, run.step_plan.grad_accum_steps))
@@ -373,21 +377,19 @@ def _wandb_run_ends(run: Run) -> Iterator[None]:
 def _train_steps(run: Run) -> None:
     """Optimizer steps until the last or a stop, each concern handed to its piece."""
     run.tracker.restart_clock()  # the first step's time starts here, not at set-up
-    # With several processes, JAX's preemption service takes SIGTERM (StopRequests).
-    with _stop_requests(handle_sigterm=jax.process_count() == 1) as run.stop_requests:
-        try:
-            while run.step < run.total:
-                run.step_plan = run.schedule.plan_at(run.examples)
-                run.hand_over("start")
-                if not _optimizer_step(run):
-                    break  # stopped between two micro-steps of the step, saved there
-                run.step += 1
-                run.examples += run.step_plan.global_batch_size
-                run.hand_over("end")
-                if run.stop_signal:
-                    break
-        finally:
-            run.close()
+    try:
+        while run.step < run.total:
+            run.step_plan = run.schedule.plan_at(run.examples)
+            run.hand_over("start")
+            if not _optimizer_step(run):
+                break  # stopped between two micro-steps of the step, saved there
+            run.step += 1
+            run.examples += run.step_plan.global_batch_size
+            run.hand_over("end")
+            if run.stop_signal:
+                break
+    finally:
+        run.close()
 
 
 def _optimizer_step(run: Run) -> bool:

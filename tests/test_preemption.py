@@ -305,3 +305,43 @@ def test_ctrl_c_before_training_exits_130_even_inside_a_gc_callback(tmp_path):
     assert done.stderr.endswith("jaxkit: interrupted\n") and "Exception ignored" not in done.stderr
     assert "batch plan" in (tmp_path / "stdout").read_text()  # flushed on the way out
     assert not (workdir / "metrics.jsonl").exists() and not list(workdir.glob("checkpoints/*"))
+
+
+# `jaxkit train` as the console script runs it; SIGTERM (a requeue, a preemption) after
+# the last step, as the run's summary is made.
+SIGTERM_AT_THE_SUMMARY = r"""
+import signal, sys
+
+from jaxkit import cli, loop
+
+real = loop.summarize
+
+
+def summarize(*args, **kwargs):
+    signal.raise_signal(signal.SIGTERM)
+    return real(*args, **kwargs)
+
+
+loop.summarize = summarize
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_after_the_last_step_finishes_the_run_and_exits_zero(tmp_path):
+    workdir = tmp_path / "run"
+    argv = ["train", "mlp_digits", "train.steps=3", "--workdir", str(workdir), "--no-progress"]
+    done = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AT_THE_SUMMARY, *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=300,
+    )
+    # It said "terminated (SIGTERM) before training started: nothing to save" and exited
+    # 143, with step 3 saved and the summary never written.
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "before training started" not in done.stderr
+    assert "done: 3 optimizer steps" in done.stdout
+    assert json.loads((workdir / "summary.json").read_text())["steps"] == 3
+    assert [p.name for p in (workdir / "checkpoints").iterdir()] == ["step_3"]
