@@ -66,3 +66,17 @@ def jaxkit(
             if getattr(jax.config, name) != value:
                 jax.config.update(name, value)
     return subprocess.CompletedProcess(["jaxkit", *args], code, out.getvalue(), err.getvalue())
+
+
+def python_c(source: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -c SOURCE ARGS` in a new process from the repository root, the checkout on
+    its path: a test's own stand-in for the console script (one that patches a function to
+    send a signal at a chosen point, then calls `cli.main`), with stdout and stderr."""
+    return subprocess.run(
+        [sys.executable, "-c", source, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=300,
+    )

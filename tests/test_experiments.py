@@ -4,13 +4,11 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import doc_blocks
 import numpy as np
 import pytest
-from cli_run import jaxkit
+from cli_run import jaxkit, python_c
 
 from jaxkit import experiments
 from jaxkit.config import apply_overrides, load_config
@@ -278,15 +276,7 @@ sys.exit(cli.main(sys.argv[1:]))
 def test_sigterm_in_an_experiment_exits_143_with_a_partial_report(tmp_path):
     argv = ["experiment", "equivalence", "mlp_digits", "--steps", "2"]
     argv += ["--splits", "1x32x1,2x16x1", "--out", str(tmp_path)]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-c", SIGTERM_AT_SECOND_SPLIT, *argv],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=root),
-        timeout=300,
-    )
+    done = python_c(SIGTERM_AT_SECOND_SPLIT, *argv)
     assert done.returncode == 143, done.stderr[-2000:]
     report = tmp_path / "report.md"
     assert done.stdout.splitlines()[-1] == (
@@ -331,15 +321,7 @@ def test_a_stop_before_the_first_unit_leaves_at_once_with_its_status(tmp_path, n
     out = tmp_path / "out"
     argv = ["experiment", "equivalence", "mlp_digits", "--steps", "2"]
     argv += ["--splits", "1x32x1,2x16x1", "--out", str(out)]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-c", STOP_DURING_THE_CHECKS, name, *argv],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=root),
-        timeout=300,
-    )
+    done = python_c(STOP_DURING_THE_CHECKS, name, *argv)
     # Ctrl-C trained every split and exited 0; SIGTERM killed the process without a word.
     assert done.returncode == code, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == line

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from cli_run import jaxkit
+from cli_run import jaxkit, python_c
 
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import Checkpointer, abstract_state
@@ -332,14 +332,7 @@ def test_sigterm_after_the_last_step_finishes_the_run_and_exits_zero(tmp_path):
     argv = ["train", "mlp_digits", "train.steps=3", "train.eval_examples=32"]
     argv += ["train.noise_scale_every=0", "--host-devices", "1"]  # a compile or two less
     argv += ["--workdir", str(workdir), "--no-progress"]
-    done = subprocess.run(
-        [sys.executable, "-c", SIGTERM_AT_THE_SUMMARY, *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-        timeout=300,
-    )
+    done = python_c(SIGTERM_AT_THE_SUMMARY, *argv)
     # It said "terminated (SIGTERM) before training started: nothing to save" and exited
     # 143, with step 3 saved and the summary never written.
     assert done.returncode == 0, done.stderr[-2000:]
