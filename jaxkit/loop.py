@@ -197,7 +197,7 @@ def _train(
     # The loop's stop requests hold until the summary is written: a stop after the last
     # step (SIGTERM, Ctrl-C) is noted, not taken for one before training started. With
     # several processes, JAX's preemption service takes SIGTERM (StopRequests).
-    stops = _stop_requests(handle_sigterm=jax.process_count() == 1)
+    stops = stop_requests(handle_sigterm=jax.process_count() == 1)
     with stops as run.stop_requests, _wandb_run_ends(run):
         _train_steps(run)
         if run.stop_signal:
@@ -424,11 +424,16 @@ def _optimizer_step(run: Run) -> bool:
 
 
 @contextlib.contextmanager
-def _stop_requests(handle_sigterm: bool = True) -> Iterator[list[str]]:
+def stop_requests(handle_sigterm: bool = True, interrupt: bool = False) -> Iterator[list[str]]:
     """A list that SIGTERM (what a Cloud TPU preemption sends) or SIGINT appends to.
 
     The loop checks it after every micro-step and then saves and returns; a second signal
     while saving is absorbed, so the checkpoint is finished rather than torn.
+
+    `interrupt`: the first signal is also raised as KeyboardInterrupt, for code that has no
+    loop to check the list (an experiment between its runs). The list outlives the
+    exception, which Python may raise inside a garbage-collection callback (jax registers
+    one) and drop there: such code looks at the list too.
     """
     requests: list[str] = []
     if threading.current_thread() is not threading.main_thread():
@@ -438,6 +443,8 @@ def _stop_requests(handle_sigterm: bool = True) -> Iterator[list[str]]:
     def handler(signum: int, frame: object) -> None:
         del frame
         requests.append(signal.Signals(signum).name)
+        if interrupt and len(requests) == 1:
+            raise KeyboardInterrupt
 
     signals = (signal.SIGTERM, signal.SIGINT) if handle_sigterm else (signal.SIGINT,)
     previous = {sig: signal.signal(sig, handler) for sig in signals}

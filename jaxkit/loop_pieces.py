@@ -354,7 +354,7 @@ class Profile(Piece):
 
 
 class StopRequests(Piece):
-    """SIGTERM or SIGINT (loop._stop_requests), a preemption notice every process reached,
+    """SIGTERM or SIGINT (loop.stop_requests), a preemption notice every process reached,
     or `stop_after_micro_steps`: the run saves and returns (Checkpoints saves; in the middle
     of an optimizer step, right there)."""
 

@@ -139,8 +139,7 @@ def run(
         print(f"jaxkit: error: {err}", file=sys.stderr)
         return 2
     except experiments.Interrupted as stop:
-        how = "terminated (SIGTERM)" if stop.signal_name == "SIGTERM" else "interrupted"
-        print(f"{how}: partial report at {pathlib.Path(out).resolve()}/report.md")
+        print(f"{stop.how}: partial report at {pathlib.Path(out).resolve()}/report.md")
         return common.TERMINATED if stop.signal_name == "SIGTERM" else common.INTERRUPTED
     print(f"report: {path.resolve()}")
     return 0

@@ -12,11 +12,9 @@ import datetime
 import json
 import math
 import pathlib
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
 import jax
@@ -33,7 +31,7 @@ from jaxkit.batch_plan import LR_SCALINGS, BatchPlan, BatchPlanError
 from jaxkit.batch_schedule import plan_from_config, schedule_from_config
 from jaxkit.config import ConfigError
 from jaxkit.costs import split_config
-from jaxkit.loop import RunResult, train
+from jaxkit.loop import RunResult, stop_requests, train
 from jaxkit.models import check_mesh_divides
 from jaxkit.train_step import check_on_mesh
 from jaxkit.validate import validate
@@ -54,12 +52,17 @@ class Interrupted(Exception):  # noqa: N818 — it is what happened, not a failu
         super().__init__(signal_name)
         self.signal_name = signal_name
 
+    @property
+    def how(self) -> str:
+        """What stopped the experiment, as its report and the command say it."""
+        return "terminated (SIGTERM)" if self.signal_name == "SIGTERM" else "interrupted"
+
 
 def stopped_by(result: RunResult) -> None:
     """Raises Interrupted if a stop was asked for while `result`'s run trained: also one at
     its last step, which finished that run but must stop the experiment."""
-    if result.stopped or result.stop_requests:
-        first = result.stop_requests[0] if result.stop_requests else "SIGINT"
+    if result.stop_requests:  # also there when it stopped the run (result.stopped)
+        first = result.stop_requests[0]  # or the test hook stop_after_micro_steps
         raise Interrupted(first if first.startswith("SIG") else "SIGINT")
 
 
@@ -123,37 +126,6 @@ class Report:
 REDRAW_SECONDS = 30.0
 
 
-@contextlib.contextmanager
-def _signals_noted() -> Iterator[list[str]]:
-    """While an experiment runs (between and around its training units, whose loop takes
-    the signals over), SIGINT and SIGTERM are noted by name, and the first is raised as
-    KeyboardInterrupt; a later one is only noted, so the partial report is finished rather
-    than torn.
-
-    The note outlives the exception: Python may raise it inside a garbage-collection callback
-    (jax registers one), where it is printed as "Exception ignored" and dropped; `drive` looks
-    at the note after each unit and after the last drawing, so such a stop is not lost. Only
-    the main thread takes signals: elsewhere nothing is installed.
-    """
-    noted: list[str] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield noted
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        del frame
-        noted.append(signal.Signals(signum).name)
-        if len(noted) == 1:
-            raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield noted
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def drive(
     report: Report,
     units: Sequence[U],
@@ -177,7 +149,9 @@ def drive(
         return report.write(status)
 
     # The handlers first: a stop as the report's path is said still leaves that report.
-    with _signals_noted() as noted:
+    # Between and around the units (whose loop takes the signals over while it trains),
+    # the first stop is raised at once, and noted in case that exception is dropped.
+    with stop_requests(interrupt=True) as noted:
         bar: tqdm.tqdm | None = None
         try:
             # Said here, once every unit has passed its checks, not before: a refused
@@ -208,14 +182,13 @@ def drive(
             if noted:
                 raise KeyboardInterrupt
             return path
-        except (KeyboardInterrupt, Interrupted) as stop:
-            name = noted[0] if noted else getattr(stop, "signal_name", "SIGINT")
-            how = "terminated (SIGTERM)" if name == "SIGTERM" else "interrupted"
+        except (KeyboardInterrupt, Interrupted) as e:
+            stop = Interrupted(noted[0] if noted else getattr(e, "signal_name", "SIGINT"))
             rewrite(
-                f"Partial report: {how} after {done} of {len(units)} {what}; "
+                f"Partial report: {stop.how} after {done} of {len(units)} {what}; "
                 "the figures below cover only those."
             )
-            raise Interrupted(name) from None
+            raise stop from None
         except Exception as e:
             # The error goes on up whatever happens here: a report that cannot be drawn from
             # the units done so far must not hide it.
