@@ -151,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if argv is None and threading.current_thread() is threading.main_thread():
+        # The process's own command (the console script, `python -m jaxkit`) is done and
+        # `code` is its status. The interpreter's teardown after it takes about a second
+        # (XLA's objects go), and Python puts the default handlers back as it starts: a
+        # Ctrl-C or SIGTERM then (a job's time limit just after a run's summary) killed a
+        # finished run with status 143 or printed a KeyboardInterrupt: both are ignored here.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     return code
 
 
