@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Iterable, Sequence
+from fractions import Fraction
 
 LR_SCALINGS = ("none", "linear", "sqrt")
 
@@ -144,10 +145,17 @@ def scaled_learning_rate(
     return base_learning_rate * (ratio if lr_scaling == "linear" else math.sqrt(ratio))
 
 
-def divisors(n: int) -> list[int]:
-    """Every divisor of n ≥ 1, ascending, in √n trials: they pair up as d and n / d."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+def divisors(n: int, trials: int | None = None) -> list[int]:
+    """Every divisor of n ≥ 1, ascending, in √n trials: they pair up as d and n / d. With
+    `trials`, at most that many: the divisors up to `trials` and their partners."""
+    last = math.isqrt(n) if trials is None else min(math.isqrt(n), trials)
+    small = [d for d in range(1, last + 1) if n % d == 0]
     return small + [n // d for d in reversed(small) if d * d != n]
+
+
+# The trials behind a refusal's "or keep G with ... in": √G of them took minutes from
+# G ≈ 10^18 on (a digit too many), before a word was printed.
+KEEP_TRIALS = 10**6
 
 
 def _nearest_multiples(value: int, unit: int, count: int = 2) -> list[int]:
@@ -162,9 +170,14 @@ def _nearest_multiples(value: int, unit: int, count: int = 2) -> list[int]:
 
 
 def _quotient(a: int, b: int) -> str:
-    """a / b with every digit of its whole part and four after: ".4g" wrote 1e8+7 / 2 as
-    5e+07, a number that looks whole and is off by three."""
-    return f"{a / b:.{len(str(a // b)) + 4}g}"
+    """a / b exactly, with every digit of its whole part and four after (more where four
+    would make it look whole, which it is not): ".4g" wrote 1e8+7 / 2 as 5e+07, off by
+    three, and a float's 53 bits wrote (10^20 - 1) / 32 as 3125000000000000000."""
+    places = 4
+    while (rounded := round(Fraction(a, b), places)).denominator == 1 and a % b:
+        places += 1
+    whole, rest = divmod(rounded * 10**places, 10**places)
+    return f"{whole}.{int(rest):0{places}d}".rstrip("0").rstrip(".")
 
 
 def _join(values: Iterable[object]) -> str:
@@ -177,14 +190,19 @@ def _solve(g: int, dp: int, known: int, known_name: str, free_name: str) -> int:
         return g // (dp * known)
     factors = {known_name: str(known), free_name: free_name}
     product = f"{dp} × {factors['per_device_batch_size']} × {factors['grad_accum_steps']}"
-    keep = [d for d in divisors(g) if g % (dp * d) == 0]
+    # d keeps g where dp × d divides it, that is where d divides g / dp.
+    per_rank = g // dp if g % dp == 0 else 0
+    keep = divisors(per_rank, KEEP_TRIALS) if per_rank else []
+    unlisted = ""
+    if math.isqrt(per_rank) > KEEP_TRIALS:
+        unlisted = f" (any between {KEEP_TRIALS:,} and {per_rank // KEEP_TRIALS:,} not listed)"
     raise BatchPlanError(
         f"{FORMULA}: {g} = {product} has no integer solution "
         f"({g} / ({dp} × {known}) = {_quotient(g, dp * known)}). "
         f"Valid global_batch_size near {g} for {product}: "
         f"{_join(_nearest_multiples(g, dp * known))}"
         + (
-            f"; or keep {g} with {known_name} in {_join(keep)}"
+            f"; or keep {g} with {known_name} in {_join(keep)}{unlisted}"
             if keep
             else f"; {g} is not divisible by data_parallel_size={dp} at all"
         )

@@ -185,3 +185,37 @@ def test_inconsistent_large_values_print_exact_quotients():
         plan(4, 100_000_000, 8, 2)
     msg = str(err.value)
     assert "per_device_batch_size=12500000," in msg and "grad_accum_steps=3125000" in msg
+
+
+class _BoundedInt(int):
+    """An int whose remainders are counted and give up past a bound (a test that would
+    otherwise run for minutes fails at once)."""
+
+    remainders = 0
+
+    def __mod__(self, other):
+        _BoundedInt.remainders += 1
+        if _BoundedInt.remainders > 2 * batch_plan.KEEP_TRIALS:
+            raise AssertionError("more than 2 × KEEP_TRIALS remainders")
+        return int(self) % other
+
+    def __floordiv__(self, other):
+        return _BoundedInt(int(self) // other)
+
+
+def test_a_huge_global_batch_is_refused_in_bounded_trials_with_its_exact_quotient():
+    # 8 × 10^18 (a digit or two too many): the √G trials behind "or keep G with ..." took
+    # minutes before the refusal, at `jaxkit plan`, `train` and `experiment batch-size`.
+    g = _BoundedInt(8 * 10**18)
+    _BoundedInt.remainders = 0
+    with pytest.raises(BatchPlanError) as err:
+        plan(8, g, 3, None)  # 8 × 10^18 / 24 is not whole
+    msg = str(err.value)
+    # Exact: a float's 53 bits wrote 333333333333333312, a number that looks whole.
+    assert f"({g} / (8 × 3) = 333333333333333333.3333)" in msg
+    # The divisors d of 10^18 (= G / 8) up to 10^6, then their partners down from 10^18.
+    assert "per_device_batch_size in 1, 2, 4, 5, 8, 10, 16, 20, 25, " in msg
+    assert ", 500000000000000000, 1000000000000000000 (any between 1,000,000 and " in msg
+    assert "1,000,000,000,000 not listed)" in msg
+    with pytest.raises(BatchPlanError, match="not divisible by data_parallel_size=8 at all"):
+        plan(8, _BoundedInt(10**20 + 1), 3, None)  # odd: no trials at all
