@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -433,7 +434,9 @@ def stop_requests(handle_sigterm: bool = True, interrupt: bool = False) -> Itera
     `interrupt`: the first signal is also raised as KeyboardInterrupt, for code that has no
     loop to check the list (an experiment between its runs). The list outlives the
     exception, which Python may raise inside a garbage-collection callback (jax registers
-    one) and drop there: such code looks at the list too.
+    one) and drop there: such code looks at the list too, and the dropped exception is not
+    printed (it was, as "Exception ignored" and a traceback of the handler, for a stop that
+    went on to be handled as any other).
     """
     requests: list[str] = []
     if threading.current_thread() is not threading.main_thread():
@@ -446,10 +449,20 @@ def stop_requests(handle_sigterm: bool = True, interrupt: bool = False) -> Itera
         if interrupt and len(requests) == 1:
             raise KeyboardInterrupt
 
+    hook = sys.unraisablehook
+
+    def unraisable(args: sys.UnraisableHookArgs) -> None:
+        if not (requests and isinstance(args.exc_value, KeyboardInterrupt)):
+            hook(args)
+
     signals = (signal.SIGTERM, signal.SIGINT) if handle_sigterm else (signal.SIGINT,)
     previous = {sig: signal.signal(sig, handler) for sig in signals}
+    if interrupt:
+        sys.unraisablehook = unraisable
     try:
         yield requests
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+        if interrupt:
+            sys.unraisablehook = hook
