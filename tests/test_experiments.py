@@ -386,6 +386,22 @@ def test_a_split_given_twice_is_refused_before_any_training(tmp_path, name):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("bad", ["0x32x1", "4x-8x1", "4x8x0"])
+def test_a_split_with_a_factor_below_one_is_refused_as_such(tmp_path, bad):
+    out = tmp_path / "out"
+    done = jaxkit(
+        "experiment", "equivalence", "mlp_digits", "--splits", f"4x8x1,{bad}", "--out", str(out)
+    )
+    # It said "split 0×32×1 makes a global batch of 0, not the config's 32" (-32 for
+    # 4×-8×1), where --global-batch-sizes says a batch must be positive.
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"jaxkit: error: --splits: {bad!r}: devices, per-device batch and accumulation steps "
+        "must each be at least 1"
+    )
+    assert not out.exists()
+
+
 def test_a_global_batch_size_the_mesh_cannot_split_is_refused_not_dropped(tmp_path):
     out = tmp_path / "out"
     done = jaxkit(

@@ -251,6 +251,11 @@ def parse_splits(text: str) -> list[Split]:
             raise ExperimentError(
                 f"--splits: {part!r} is not DEVICESxPER_DEVICExACCUM (e.g. 4x8x1)"
             ) from None
+        if min(d, b, k) < 1:  # as --global-batch-sizes: said as such, not as its product
+            raise ExperimentError(
+                f"--splits: {part!r}: devices, per-device batch and accumulation steps must "
+                "each be at least 1"
+            )
         split = Split(d, b, k)
         if split in splits:  # trained twice, it would show once in every table and figure
             raise ExperimentError(f"--splits: {split.name} is given twice")
