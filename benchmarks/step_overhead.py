@@ -42,9 +42,13 @@ parser.add_argument(
     "--out", default=str(pathlib.Path(__file__).parent / "results" / "step_overhead.json")
 )
 args = parser.parse_args()
+if args.steps < 4 or args.program_steps < 1 or args.loop_repeats < 1 or args.repeats < 1:
+    # A loop's median leaves out its first two steps and the one after the compile.
+    parser.error("--steps must be at least 4, and the other counts at least 1")
 
 import jax
 
+jax.config.update("jax_platforms", "cpu")  # simulated devices: no accelerator probed
 jax.config.update("jax_num_cpu_devices", args.host_devices)
 
 import optax
@@ -266,7 +270,7 @@ def main() -> None:
         "devices": f"{dp} x {jax.devices()[0].platform}",
         "model": "lm_tiny (d 128, 2 layers, seq 128)",
         "steps_per_run": steps,
-        "repeats": repeats,
+        "repeats": None if args.loop_only else repeats,  # (b)'s runs; none under --loop-only
         "loop_vs_handwritten": {
             "global_batch_size": g,
             "handwritten_examples_per_s": g / hand,
