@@ -590,10 +590,12 @@ def _check_same_run(
             + "\nUse the saved values, or a new --workdir."
         )
     changes = data_changes(meta.get("data"), data)
+    at, plan = position_of(meta), meta["plan"]
     changes += stage_changes(
         (meta.get("data") or {}).get(_MIXTURE_STAGES),
         (data or {}).get(_MIXTURE_STAGES),
-        position_of(meta).examples,
+        # the rows trained on: a mid-step save's accumulator holds its micro-batches' too
+        at.examples + at.micro * plan["global_batch_size"] // plan["grad_accum_steps"],
     )
     if changes:
         raise CheckpointError(

@@ -659,7 +659,12 @@ RESUMABLE_SECTIONS: frozenset[str] = frozenset(
 
 
 def resumable(name: str) -> bool:
-    """Whether a resume may change the config key `name`."""
+    """Whether a resume may change the config key `name`. A mixture's weights
+    (data.mixture.NAME.weight), like data.mixture_stages, are checked as the stages draw
+    rows instead (normalised, up to the saved position: mixture.stage_changes): `7` and
+    `0.7`, or a weight left out beside data.mixture_stages, may draw the same rows."""
+    if name.startswith("data.mixture.") and name.endswith(".weight"):
+        return True
     return name in RESUMABLE_KEYS or name.split(".", 1)[0] in RESUMABLE_SECTIONS
 
 

@@ -522,6 +522,7 @@ class MixtureRows:
                 {
                     "start": stage.start,
                     "weights": dict(zip(self.names, map(str, stage.weights), strict=True)),
+                    "typed": stage.typed,  # for a refusal's message: not compared
                 }
                 for stage in self.order.stages
             ]

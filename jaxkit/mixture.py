@@ -41,6 +41,8 @@ class Stage:
 
     start: int
     weights: tuple[Fraction, ...]
+    # As the user wrote it (`64:web=0.5+code=0.5`), for messages; not part of what it draws.
+    typed: str = dataclasses.field(default="", compare=False)
 
 
 def _weight(name: str, value: object) -> Fraction:
@@ -127,7 +129,8 @@ def stages(value: Mapping[str, Any], text: str, seq_len: int | None) -> list[Sta
             raise ConfigError(
                 f"data.mixture.{missing[0]} has no weight: give one (or data.mixture_stages)"
             )
-        return [Stage(0, _normalised([sources[n]["weight"] for n in names]))]
+        typed = "+".join(f"{n}={show(value[n]['weight'])}" for n in names)
+        return [Stage(0, _normalised([sources[n]["weight"] for n in names]), f"0:{typed}")]
     parsed = parse_stages(text, names, seq_len)
     first = parsed[0].weights
     given = [sources[n]["weight"] for n in names]
@@ -204,7 +207,7 @@ def parse_stages(text: str, names: Sequence[str], seq_len: int | None) -> list[S
                 f"data.mixture_stages stage {said!r} starts at example {start:,} (a block "
                 f"start), not after the stage before it ({out[-1].start:,})"
             )
-        out.append(Stage(start, _normalised([weights[n] for n in names])))
+        out.append(Stage(start, _normalised([weights[n] for n in names]), said))
     if out[0].start != 0:
         raise ConfigError("data.mixture_stages must start at 0: write 0:NAME=W+... first")
     return out
@@ -376,23 +379,77 @@ def source_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def stage_changes(saved: list[dict] | None, current: list[dict] | None, examples: int) -> list[str]:
-    """Lines naming each stage starting at or before global example `examples` that a
-    resume would change (a later stage may be added or changed: nothing read it yet)."""
+def stage_changes(saved: list[dict] | None, current: list[dict] | None, read: int) -> list[str]:
+    """Lines naming each stage that draws rows the saved run trained on (global examples
+    [0, read)) and that a resume would draw otherwise, with the sources whose share moved.
+    Stages are compared as they draw rows: normalised weights, so `web=0.7+code=0.3` and
+    `web=7+code=3` are one stage, and data.mixture's weights left out beside
+    data.mixture_stages change nothing. A stage from `read` on may be added or changed:
+    no trained row came from it."""
     if saved is None or current is None:
         return []
 
-    def past(stages: list[dict]) -> dict[int, dict]:
-        return {stage["start"]: stage["weights"] for stage in stages if stage["start"] <= examples}
+    def drawn(stages: list[dict]) -> dict[int, dict]:
+        return {stage["start"]: stage for stage in stages if stage["start"] < read}
 
-    old, new = past(saved), past(current)
+    old, new = drawn(saved), drawn(current)
+    lines = []
+    for start in sorted(old.keys() | new.keys()):
+        was, now = old.get(start), new.get(start)
+        if was is not None and now is not None and _shares(was) == _shares(now):
+            continue
+        where = (
+            f"  data.mixture's stage from example {start:,}, whose rows the saved run trained "
+            f"on (examples 0-{read - 1:,})"
+        )
+        if now is None:
+            lines.append(f"{where}, is left out (saved: {_typed(was)}): give it again")
+        elif was is None:
+            lines.append(
+                f"{where}, is new ({_typed(now)}): the saved run drew those rows under the "
+                "stage before it"
+            )
+        else:
+            lines.append(
+                f"{where}: {_moved(_shares(was), _shares(now))} (saved: {_typed(was)}; "
+                f"now: {_typed(now)})"
+            )
+    return lines
 
-    def said(weights: dict | None) -> str:
-        return "<absent>" if weights is None else "+".join(f"{n}={w}" for n, w in weights.items())
 
-    return [
-        f"  data.mixture_stages: the stage from example {start:,} {said(old.get(start))} "
-        f"(saved) -> {said(new.get(start))}, which the saved position {examples:,} has read"
-        for start in sorted(old.keys() | new.keys())
-        if old.get(start) != new.get(start)
-    ]
+def _shares(stage: dict) -> dict[str, Fraction]:
+    """A recorded stage's share of the rows for each source (its normalised weights)."""
+    return {name: Fraction(w) for name, w in stage["weights"].items()}
+
+
+def _typed(stage: dict) -> str:
+    """A recorded stage as data.mixture_stages takes it: as the user wrote it, or, for a
+    checkpoint that did not record that, its shares as the smallest whole weights."""
+    if stage.get("typed"):
+        return str(stage["typed"])
+    shares = _shares(stage)
+    scale = int(np.lcm.reduce([s.denominator for s in shares.values()]))
+    whole = {name: s.numerator * (scale // s.denominator) for name, s in shares.items()}
+    common = int(np.gcd.reduce(list(whole.values())))
+    return f"{stage['start']}:" + "+".join(f"{n}={w // common}" for n, w in whole.items())
+
+
+def _moved(was: dict[str, Fraction], now: dict[str, Fraction]) -> str:
+    """`code draws 10% of the rows (saved) -> 50%, web 90% -> 50%`: each source whose share
+    differs, with as many digits as tell the two shares apart."""
+
+    def percent(share: Fraction | None, digits: int) -> str:
+        return "none" if share is None else f"{float(share) * 100:.{digits}g}%"
+
+    parts = []
+    for name in sorted(was.keys() | now.keys()):
+        a, b = was.get(name), now.get(name)
+        if a == b:
+            continue
+        digits = next((d for d in range(3, 18) if percent(a, d) != percent(b, d)), 17)
+        a_text, b_text = percent(a, digits), percent(b, digits)
+        if not parts:
+            parts.append(f"{name} draws {a_text} of the rows (saved) -> {b_text}")
+        else:
+            parts.append(f"{name} {a_text} -> {b_text}")
+    return ", ".join(parts)

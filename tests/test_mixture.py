@@ -180,6 +180,64 @@ def test_a_stage_added_later_leaves_earlier_rows_unchanged(dirs):
     assert not np.array_equal(later.stream_rows(1024, 64, 1), train.stream_rows(1024, 64, 1))
 
 
+# One mixture spelled three ways, as a run may be started or resumed: decimal weights in
+# both keys, whole weights, and data.mixture's weights left out beside data.mixture_stages.
+SPELLINGS = {
+    "decimals": ({"web": 0.7, "code": 0.3}, "0:web=0.7+code=0.3,64:web=0.5+code=0.5"),
+    "whole": ({"web": 7, "code": 3}, "0:web=7+code=3,64:web=1+code=1"),
+    "left out": ({}, "0:web=0.7+code=0.3,64:web=2+code=2"),
+}
+
+
+def _spelled(dirs, weights, stages):
+    value = {name: {"path": str(dirs / name)} for name in ("web", "code")}
+    for name, weight in weights.items():
+        value[name]["weight"] = weight
+    config = load_config("llama_tiny")
+    mix = ["data.mixture=" + json.dumps(value), f"data.mixture_stages={stages}"]
+    apply_overrides(config, [*RUN[2:-1], *mix])
+    check_values(config)
+    return config
+
+
+def test_a_resume_compares_the_stages_as_they_draw_rows(dirs):
+    """Each spelling of SPELLINGS, resumed under each other one (both ways), draws the same
+    rows row for row, and neither the config nor the stages the checkpoint records count as
+    a change. A changed stage is one only where the saved run trained on its rows: at a
+    step boundary its position is the first row it did not; the lines say each source's
+    share and the stages as data.mixture_stages takes them (a checkpoint that did not
+    record how they were written: the smallest whole weights, which draw the same rows)."""
+    import itertools
+
+    from jaxkit.checkpoint import config_conflicts
+
+    configs = {name: _spelled(dirs, *spelling) for name, spelling in SPELLINGS.items()}
+    facts, rows = {}, {}
+    for name, config in configs.items():
+        train, held_out = data_lib.make_sources(config)
+        facts[name] = data_lib.data_facts(train, held_out)[data_lib.MIXTURE_STAGES]
+        rows[name] = train.stream_rows(0, 256, 3)
+    for saved, now in itertools.permutations(configs, 2):
+        np.testing.assert_array_equal(rows[now], rows[saved], err_msg=f"{saved} -> {now}")
+        assert config_conflicts(configs[saved].to_dict(), configs[now].to_dict()) == []
+        assert mixture.stage_changes(facts[saved], facts[now], 256) == [], (saved, now)
+    changed = _spelled(dirs, {}, "0:web=0.7+code=0.3,64:web=1+code=2")
+    changed_facts = data_lib.data_facts(*data_lib.make_sources(changed))
+    changed_stages = changed_facts[data_lib.MIXTURE_STAGES]
+    assert mixture.stage_changes(facts["whole"], changed_stages, 64) == []
+    assert mixture.stage_changes(facts["whole"], changed_stages, 65) == [
+        "  data.mixture's stage from example 64, whose rows the saved run trained on (examples "
+        "0-64): code draws 50% of the rows (saved) -> 66.7%, web 50% -> 33.3% "
+        "(saved: 64:web=1+code=1; now: 64:web=1+code=2)"
+    ]
+    untyped = [{k: v for k, v in stage.items() if k != "typed"} for stage in facts["decimals"]]
+    (line,) = mixture.stage_changes(untyped, changed_stages, 65)
+    written = line.split("(saved: ", 1)[1].split(";", 1)[0]
+    assert written == "64:code=1+web=1", line
+    again = mixture.parse_stages(f"0:web=7+code=3,{written}", ["code", "web"], 16)
+    assert again == train.order.stages  # the last spelling's: the same stages
+
+
 def test_reads_of_any_length_give_each_examples_own_row(dirs):
     """The loader's reads (worked out and kept 2,048 examples at a time) give, for every
     global example, the row its (source, k) names in that source's own stream: reads of
@@ -290,13 +348,25 @@ STAGED = ["train.steps=4", "train.log_every=1", "train.eval_every=4", "checkpoin
 EVAL_RTOL = 1e-6
 
 
-def _staged(dirs, per_device):
+def _staged(dirs, per_device, mix=None, stages=STAGES):
     config = load_config("llama_tiny")
+    mix = _mix(dirs) if mix is None else mix
     apply_overrides(
-        config,
-        [*RUN[2:-1], *STAGED, _mix(dirs), STAGES, f"batch.per_device_batch_size={per_device}"],
+        config, [*RUN[2:-1], *STAGED, mix, stages, f"batch.per_device_batch_size={per_device}"]
     )
     return config
+
+
+# STAGES as another user writes them: data.mixture's weights left out (docs/data.md allows
+# it beside data.mixture_stages) and whole weights in place of 0.9/0.1 and 0.5/0.5. The rows
+# drawn are the same, so a resume under it is the same run.
+RESPELLED = "data.mixture_stages=0:web=9+code=1,64:web=1+code=1"
+
+
+def _unweighted(dirs):
+    return "data.mixture=" + json.dumps(
+        {name: {"path": str(dirs / name)} for name in ("web", "code")}
+    )
 
 
 @contextlib.contextmanager
@@ -347,8 +417,8 @@ def runs(dirs):
     with _reading() as first_rows:
         first = _train(_staged(dirs, 8), dirs / "cut", 4, stop_after_micro_steps=1)
     assert first.stopped and first.plan.grad_accum_steps == 1
-    with _reading() as rows:
-        resumed = _train(_staged(dirs, 8), dirs / "cut", 2)
+    with _reading() as rows:  # resumed as another user writes the same stages
+        resumed = _train(_staged(dirs, 8, _unweighted(dirs), RESPELLED), dirs / "cut", 2)
     assert resumed.plan.grad_accum_steps == 2
     out["cut"] = first_rows, resumed, rows
     return out
@@ -390,9 +460,10 @@ def test_the_seed_splits_read_the_same_rows_and_train_the_same_model(runs):
 
 
 def test_a_resume_on_2_devices_reads_the_rows_of_an_uninterrupted_run(runs, dirs):
-    """Stopped after step 1 on 4 devices (inside the first stage) and resumed on 2, the run
-    crosses the stage boundary at 64 reading exactly the uninterrupted run's rows, in order,
-    and trains the same model (test_checkpoint's tolerances for another device count;
+    """Stopped after step 1 on 4 devices (inside the first stage) and resumed on 2, with the
+    stages respelled (RESPELLED: whole weights, data.mixture's left out), the run crosses the
+    stage boundary at 64 reading exactly the uninterrupted run's rows, in order, and trains
+    the same model (test_checkpoint's tolerances for another device count;
     measured: losses within 4.0e-7 relative, params within 6.3e-8 absolute)."""
     reference, reference_rows = runs[SEED_SPLITS[0]]
     first_rows, resumed, rows = runs["cut"]
@@ -439,21 +510,43 @@ def test_the_summary_counts_each_sources_rows_and_eval(runs, dirs):
 
 
 def test_a_resume_may_add_a_later_stage_but_not_change_a_past_one(runs, dirs):
-    """The run at 128 examples resumed (by the CLI, on 8 devices) with a stage from 1k
-    added (nothing read it) is the finished run; a changed stage from 64 (inside the rows
-    it read) is refused, naming it."""
+    """The run at 128 examples resumed (by the CLI, on 8 devices) with a stage added from
+    128, where it stopped at a step boundary (an annealing stage; no row it trained on came
+    from it), is the finished run; a changed stage from 64 (inside the rows it trained on)
+    is refused, naming the stage and the sources whose share moved, each stage written as
+    data.mixture_stages takes it."""
     resume = [*RUN, *STAGED, _mix(dirs), "batch.per_device_batch_size=4"]
     resume += ["--workdir", str(dirs / "split")]
-    done = jaxkit(*resume, STAGES + ",1k:web=0.2+code=0.8")
+    done = jaxkit(*resume, STAGES + ",128:web=0.2+code=0.8")
     assert done.returncode == 0, done.stderr
     assert "holds a finished run of 4 steps" in done.stdout, done.stdout
     done = jaxkit(*resume, "data.mixture_stages=0:web=0.9+code=0.1,64:web=0.3+code=0.7")
     assert done.returncode == 2, (done.stdout, done.stderr)
     said = (
-        "data.mixture_stages: the stage from example 64 code=1/2+web=1/2 (saved) -> "
-        "code=7/10+web=3/10, which the saved position 128 has read"
+        "data.mixture's stage from example 64, whose rows the saved run trained on (examples "
+        "0-127): code draws 50% of the rows (saved) -> 70%, web 50% -> 30% (saved: "
+        "64:web=0.5+code=0.5; now: 64:web=0.3+code=0.7)"
     )
     assert said in done.stderr, done.stderr
+
+
+def test_a_stage_whose_rows_a_mid_step_save_holds_may_not_change(runs, dirs):
+    """Stopped one micro-step into step 3 (2 devices, K = 2: micro-batches of 16 rows), the
+    checkpoint's position is 64, where the second stage starts, and its accumulator holds
+    rows 64-79 of that stage, which a resume continues: a change to it is refused (from
+    the same position at a step boundary it would not be). The programs are the
+    fixture's."""
+    from jaxkit.checkpoint import CheckpointError
+
+    stopped = _train(_staged(dirs, 8), dirs / "mid", 2, stop_after_micro_steps=5)
+    assert stopped.stopped and stopped.plan.grad_accum_steps == 2
+    other = "data.mixture_stages=0:web=0.9+code=0.1,64:web=0.3+code=0.7"
+    with pytest.raises(CheckpointError) as caught:
+        _train(_staged(dirs, 8, stages=other), dirs / "mid", 2)
+    said = (
+        "data.mixture's stage from example 64, whose rows the saved run trained on (examples 0-79)"
+    )
+    assert said in str(caught.value), caught.value
 
 
 def test_a_resume_on_other_tokens_names_the_source_that_changed(dirs, tmp_path):
