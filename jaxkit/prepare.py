@@ -102,6 +102,14 @@ class Fields:
             return f"{pair} fields"
         return f'a "{self.text}" field' + ("" if self.prompt is None else f" (or {pair})")
 
+    def one_kind(self) -> str:
+        """How to read one kind only, where a document holds both: the options, with these
+        fields' names (naming one kind's fields reads only that kind)."""
+        return (
+            f"give --text-field {self.text} alone to read the texts, or --prompt-field "
+            f"{self.prompt} --completion-field {self.completion} alone to read the pairs"
+        )
+
     def wanted(self) -> str:
         """What a JSON line lacks, as an error says it: `"text" field (a string), nor
         "prompt" and "completion"`."""
@@ -565,29 +573,44 @@ def _record_document(record: object, where: str, fields: Fields) -> Document:
     """A JSON line's document: its text field, or its prompt and completion fields."""
     if not isinstance(record, dict):
         raise PrepareError(
-            f"{where}: a JSON {type(record).__name__}, not an object with {fields.described()}"
+            f"{where}: the line is {_json_type(record)}, not an object with {fields.described()}"
         )
     pair = fields.prompt is not None and (fields.prompt in record or fields.completion in record)
     if pair:
         if fields.text is not None and fields.text in record:
             raise PrepareError(
                 f'{where}: both "{fields.text}" and "{fields.prompt}"/"{fields.completion}": '
-                "which one is the document?"
+                f"which one is the document? {fields.one_kind()}"
             )
         prompt, completion = record.get(fields.prompt), record.get(fields.completion)
-        if not (isinstance(prompt, str) and isinstance(completion, str)):
-            raise PrepareError(
-                f'{where}: "{fields.prompt}" and "{fields.completion}" must both be strings'
-            )
+        for name, other in ((fields.prompt, fields.completion), (fields.completion, fields.prompt)):
+            if name not in record:
+                raise PrepareError(f'{where}: no "{name}" field beside "{other}"')
+            if not isinstance(record[name], str):
+                raise PrepareError(f'{where}: "{name}" is {_json_type(record[name])}, not a string')
+        assert isinstance(prompt, str) and isinstance(completion, str)
         return Document(_encodable(completion, where), _encodable(prompt, where))
     text = None if fields.text is None else record.get(fields.text)
     if not isinstance(text, str):
         raise PrepareError(
             f"{where}: no {fields.wanted()}"
-            if text is None
-            else f'{where}: "{fields.text}" is a {type(text).__name__}, not a string'
+            if fields.text not in record
+            else f'{where}: "{fields.text}" is {_json_type(text)}, not a string'
         )
     return Document(_encodable(text, where))
+
+
+def _json_type(value: object) -> str:
+    """What a JSON value is, in JSON's words: `null`, `a number (5)`, `an array`."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def _encodable(text: str, where: str) -> str:
@@ -681,8 +704,7 @@ def _table_columns(schema: Any, where: str, fields: Fields) -> tuple[str, ...]:
         if pair:
             raise PrepareError(
                 f'{where}: both a "{fields.text}" column and "{fields.prompt}"/'
-                f'"{fields.completion}" columns: which one is the document? (name its '
-                "columns with --text-field, or --prompt-field and --completion-field)"
+                f'"{fields.completion}" columns: which one is the document? {fields.one_kind()}'
             )
         columns: tuple[str, ...] = (fields.text,)
     elif fields.prompt is not None and fields.completion is not None and len(pair) == 2:
@@ -721,7 +743,7 @@ def _table_documents(
         for cells in zip(*values, strict=True):
             for name, cell in zip(columns, cells, strict=True):
                 if cell is None:
-                    raise PrepareError(f'{where}: row {row}: "{name}" is None, not a string')
+                    raise PrepareError(f'{where}: row {row}: "{name}" is null, not a string')
             row += 1
             yield Document(cells[-1], cells[0] if len(cells) == 2 else None)
 
@@ -921,8 +943,16 @@ def prepare(
     num_documents = sum(count_documents(p, fields) for p in paths)
     if num_documents == 0:
         raise PrepareError(f"no documents in {len(paths)} input file(s)")
-    is_eval = held_out(num_documents, eval_fraction, seed)
-    documents = read_documents(paths, as_text=encoder.spec != "bytes", fields=fields)
+    as_text = encoder.spec != "bytes"
+    try:
+        is_eval = held_out(num_documents, eval_fraction, seed)
+    except PrepareError:
+        # Counting reads no row: a bad one (null, a number for a text) comes first, as it
+        # would with more documents. Few enough to split badly are quick to read.
+        for _ in read_documents(paths, as_text, fields):
+            pass
+        raise
+    documents = read_documents(paths, as_text, fields)
     workers = workers or os.cpu_count() or 1
     with (
         _building(out) as directory,

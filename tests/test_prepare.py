@@ -391,9 +391,24 @@ def test_errors_exit_2_with_the_reason_and_write_nothing(inputs, bpe, capsys):
         [good, str(bad / "pair.jsonl"), *plain],
         inputs,
         capsys,
-        'pair.jsonl:1: "prompt" and "completion" must both be strings',
+        'pair.jsonl:1: no "completion" field beside "prompt"',
     )
-    refused([str(bad / "list.jsonl"), *plain], inputs, capsys, "list.jsonl:2: a JSON list, not")
+    refused(
+        [str(bad / "list.jsonl"), *plain], inputs, capsys, "list.jsonl:2: the line is an array, not"
+    )
+    # A file too small to split at --eval-fraction 0.01: its bad row is still what is said,
+    # each value named as JSON names it.
+    few = [*out, "--tokenizer", "bytes", "--eval-fraction", "0.01"]
+    for line, said in [
+        ('{"text": 5}', '"text" is a number (5), not a string'),
+        ('{"text": null}', '"text" is null, not a string'),
+        ("null", "the line is null, not an object with"),
+        ('{"prompt": "p", "completion": true}', '"completion" is a boolean (true), not a string'),
+    ]:
+        (bad / "few.jsonl").write_text(f'{{"text": "a"}}\n{line}\n{{"text": "c"}}\n')
+        refused([str(bad / "few.jsonl"), *few], inputs, capsys, f"few.jsonl:2: {said}")
+    (bad / "few.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')  # fine, but too few
+    refused([str(bad / "few.jsonl"), *few], inputs, capsys, "--eval-fraction 0.01 of 2 documents")
     refused([str(bad / "blank.jsonl"), *plain], inputs, capsys, "no documents in 1 input file")
     refused([str(bad / "empty"), *plain], inputs, capsys, "empty: a directory with no files")
     refused([good, str(bad / "no.parquet"), *plain], inputs, capsys, 'no "text" column (its')
@@ -1008,8 +1023,21 @@ def test_a_saved_dataset_the_options_cannot_read_is_one_line_and_writes_nothing(
     says([ds, "--split", "test"], "--split test: applies to a DatasetDict saved to disk")
     says([empty], f"{empty}: a saved dataset of 0 rows")
     says([both], f'{arrow}: both a "text" column and "prompt"/"completion" columns')
+    # Given both kinds' options, the advice is to drop one kind's, not to give them.
+    named = ["--text-field", "text", "--prompt-field", "prompt", "--completion-field", "completion"]
+    one_kind = (
+        "give --text-field text alone to read the texts, or --prompt-field prompt "
+        "--completion-field completion alone to read the pairs"
+    )
+    says([both, *named], f'"prompt"/"completion" columns: which one is the document? {one_kind}')
+    (tmp_path / "both.jsonl").write_text('{"b": "x", "q": "y", "a": "z"}\n{"b": "w"}\n')
+    fields = ["--text-field", "b", "--prompt-field", "q", "--completion-field", "a"]
+    says([str(tmp_path / "both.jsonl"), *fields],
+         'both.jsonl:1: both "b" and "q"/"a": which one is the document? give --text-field b '
+         "alone to read the texts, or --prompt-field q --completion-field a alone to read the "
+         "pairs")  # fmt: skip
     says([half], 'no "completion" column beside "prompt" (its columns: prompt)')
-    says([null], f'{arrow}: row 1: "text" is None, not a string')
+    says([null], f'{arrow}: row 1: "text" is null, not a string')
     says([torn], f"{torn}/{arrow}: not an Arrow stream or file")
     says([f"{ds}/{arrow}"], f"lies in {ds}, a saved Hugging Face dataset: name its directory")
     says([f"{ds}/*"], "matched only files inside a saved Hugging Face dataset")
@@ -1019,3 +1047,17 @@ def test_a_saved_dataset_the_options_cannot_read_is_one_line_and_writes_nothing(
         str, found
     )
     assert not any("validation" in str(p) or p.name.endswith((".arrow", ".json")) for p in found)
+
+
+def test_a_glob_reads_a_saved_dataset_it_matches_beside_other_files(tmp_path):
+    """`corpus/*` matches a saved dataset's own directory (no file inside it): the dataset
+    is an input beside the corpus's other files, not dropped as though it lay inside
+    itself (a `**` glob also matches `corpus/` and walks down to it, which this does not)."""
+    corpus = tmp_path / "corpus"
+    save_dataset(corpus / "ds", {"text": ["one", "two", "three"]})
+    (corpus / "a.txt").write_text("alpha")
+    assert expand_inputs([str(corpus / "*")]) == [corpus / "a.txt", corpus / "ds"]
+    out = tmp_path / "out"
+    meta = prepare([str(corpus / "*")], "bytes", out, eval_fraction=0.25, progress=False)
+    assert meta["num_documents"] == {"train": 3, "eval": 1}
+    assert meta["num_tokens"]["train"] + meta["num_tokens"]["eval"] == 5 + 3 + 3 + 5 + 4
