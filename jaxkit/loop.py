@@ -161,12 +161,7 @@ def _train(
     config = with_kernel(config, devices or jax.devices(), echo)
     parts = _set_up(config, devices, echo)
     checkpointer, restored = _resume(config, workdir, parts, echo, allow_batch_change, allow_longer)
-    # Compiled once, ahead of time (once per K in fused mode), after the resume's checks so
-    # that a refused resume costs no compile: the loop calls these executables, and their
-    # cost analysis gives the FLOPs behind throughput and MFU.
-    programs = StepPrograms(config, parts.setup)
-    cost = programs.get(parts.plan)[1]
-    tracker = StepTracker(config, parts.plan, parts.setup, cost, _peak(config, parts.mesh))
+    tracker = StepTracker(config, parts.plan, parts.setup, None, _peak(config, parts.mesh))
     start = starting_point(config, parts.shape, parts.setup, parts.plan, restored, tracker, echo)
     saved_events = restored.meta["loop"].get("events", []) if restored else []
     finished = start.position.step >= start.schedule.total_steps
@@ -177,6 +172,11 @@ def _train(
             config, start, workdir, restored.meta, tracker, parts.eval_source, echo
         )
         return RunResult(plan=start.plan, state=start.state, records=[], summary=summary)
+    # Compiled once, ahead of time (once per K in fused mode), after the resume's checks so
+    # that a refused resume, or a finished run's rerun, costs no compile: the loop calls
+    # these executables, and their cost analysis gives the FLOPs behind throughput and MFU.
+    programs = StepPrograms(config, parts.setup)
+    tracker.cost = programs.get(parts.plan)[1]
     # What changed at this resume: logged once, and kept in the checkpoints saved at this
     # step, so that a later resume from one of them keeps them in the log.
     events = resume_events(restored, config, start.schedule, parts.shape) if restored else []

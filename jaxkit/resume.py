@@ -280,15 +280,14 @@ def finished_summary(
             _trained_schedule(schedule, position.step),
         )
         if ended.mesh_shape != plan.mesh_shape:
-            # This process's peak and compiled memory are another device count's.
-            summary |= {"peak_flops_per_s": None, "peak_source": None, "memory_bytes": None}
+            # This process's peak is another device count's.
+            summary |= {"peak_flops_per_s": None, "peak_source": None}
         summary["rebuilt_from"] = "metrics.jsonl"  # no timings: they were never logged whole
-        # Unknown, not 0: the run's first step and wall time were never logged, and what
-        # this process compiled to rebuild the summary is not the run's compile.
+        # Unknown, not 0: the run's first step and wall time were never logged, and a rerun
+        # of a finished run compiles no step (the run's compile and memory are not known).
         summary |= {"first_step_s": None, "wall_time_s": None}
-        for key in ("compile_s", "trace_s", "compile_cache_hit"):
-            if key in summary:
-                summary[key] = None
+        for key in ("compile_s", "trace_s", "compile_cache_hit", "memory_bytes"):
+            summary[key] = None
         if jax.process_index() == 0:
             write_text_atomic(summary_file, json.dumps(summary, indent=2) + "\n")
             echo(f"wrote the missing {summary_file} from metrics.jsonl")

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from jaxkit import loop as loop_lib
-from jaxkit import loop_pieces, noise_scale
+from jaxkit import costs, loop_pieces, noise_scale
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import Checkpointer, CheckpointError, abstract_state, empty_accumulator
 from jaxkit.config import apply_overrides, load_config
@@ -240,6 +240,22 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, full_k1):
     assert (tmp_path / "metrics.jsonl").read_text() == before
     for a, b in zip(leaves(first.state), leaves(again.state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_rerunning_a_finished_run_compiles_no_step(tmp_path, monkeypatch, full_k1):
+    """Nothing is left to train, so no step program is compiled; its summary rebuilt from
+    metrics.jsonl gives the compile and the compiled memory as unknown."""
+    finished_in(tmp_path, full_k1)
+    compiles = []
+    real = costs.compile_setup_step
+    monkeypatch.setattr(
+        costs, "compile_setup_step", lambda *a, **kw: compiles.append(a[1]) or real(*a, **kw)
+    )
+    run(digits(), tmp_path)
+    (tmp_path / "summary.json").unlink()
+    rebuilt = run(digits(), tmp_path).summary
+    assert compiles == []
+    assert rebuilt["memory_bytes"] is None and rebuilt["compile_s"] is None
 
 
 def test_checkpoints_move_between_multisteps_and_fused_at_step_boundaries(tmp_path, full_k1):
