@@ -696,6 +696,12 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     _check(flat, rules(k for k in keys if k.default is REQUIRED), f"model.kind={kind!r}")
     _check(flat, rules(k for k in keys if k.default is not REQUIRED), None)
     own = SOURCE_RULES.get(str(source), {})
+    mixture = config.get("data", {}).get("mixture")
+    if mixture is not None and not len(mixture):  # flattens to nothing: said here
+        raise ConfigError(
+            "data.mixture={} names no source: give NAME: {path, weight} for each, or "
+            "data.mixture=null and data.path"
+        )
     if any(k.startswith("data.mixture.") for k in flat) and flat.get("data.path") is None:
         own = {k: r for k, r in own.items() if k != "data.path"}  # each source names its own
     _check(flat, own, f"data.source={source!r}")

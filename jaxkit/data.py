@@ -241,15 +241,16 @@ def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]
         path, label = value[name]["path"], f"data.mixture.{name}.path={value[name]['path']!r}"
         try:
             train, held_out, facts = token_files.open_splits(
-                path, d.get("token_dtype", "uint16"), d.eval_fraction
+                path, d.get("token_dtype", "uint16"), d.eval_fraction, f"data.mixture.{name}.path"
             )
-            warning = _check_tokenizer(config, facts, path)
+            warning = _check_tokenizer(config, facts, f"data.mixture.{name}.path={path}")
             _check_ids(config, train, held_out, facts, label)
             fingerprint = token_files.fingerprint(train, held_out, facts)
             trains.append(token_files.TokenRows(train, d.seq_len, rows, mask, fingerprint))
             helds.append(token_files.TokenRows(held_out, d.seq_len, rows, mask, fingerprint))
         except token_files.TokenFileError as e:
-            raise DataError(f"data.mixture.{name}: {e}") from None
+            named = str(e).startswith(f"data.mixture.{name}.")  # else say which source
+            raise DataError(str(e) if named else f"data.mixture.{name}: {e}") from None
         notes += [warning] if warning else []
         if "format" not in facts:
             foreign.append(name)
@@ -301,11 +302,12 @@ def _check_shared_files(name: str, facts: dict, read_by: dict[str, tuple[str, tu
 
 
 def _check_tokenizer(
-    config: ml_collections.ConfigDict, facts: dict | None, path: str | None = None
+    config: ml_collections.ConfigDict, facts: dict | None, label: str | None = None
 ) -> str | None:
     """Refuses data that model.init_from's model would read as other tokens than it was
     made of (jaxkit/tokenizer.py); returns a warning line where the kit cannot tell. `facts`
-    is what token files say of themselves, None for the other sources."""
+    is what token files say of themselves, None for the other sources; `label` names a
+    mixture's source (`data.mixture.NAME.path=DIR`), else data.path is named."""
     from jaxkit import tokenizer as tokenizer_lib
     from jaxkit.hf.load import source_dir
 
@@ -314,7 +316,7 @@ def _check_tokenizer(
         return None
     d = config.data
     try:
-        said = str(d.get("path")) if path is None else path
+        said = f"data.path={d.get('path')}" if label is None else label
         return tokenizer_lib.check_data(directory, d.source, said, facts)
     except tokenizer_lib.TokenizerError as e:
         raise DataError(str(e)) from None

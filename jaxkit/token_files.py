@@ -170,10 +170,10 @@ def _is_prepared(directory: str) -> bool:
     return os.path.isfile(meta_path)
 
 
-def _expand(path: str) -> list[str]:
-    """The foreign token files `path` names: a file, or a directory's or a glob's .bin and
-    .npy files. Files inside a prepared directory are refused: read one by one, its held-out
-    shards would be trained on and its masks dropped."""
+def _expand(path: str, key: str = "data.path") -> list[str]:
+    """The foreign token files `path` (given as `key`) names: a file, or a directory's or a
+    glob's .bin and .npy files. Files inside a prepared directory are refused: read one by
+    one, its held-out shards would be trained on and its masks dropped."""
     named = False  # one file, named as it is
     if is_url(path):
         import fsspec
@@ -195,7 +195,7 @@ def _expand(path: str) -> list[str]:
             names = os.listdir(path)
             if any(n.endswith((fmt.DOCS_SUFFIX, fmt.MASK_SUFFIX)) for n in names):
                 raise TokenFileError(
-                    f"data.path={path!r} holds a prepared directory's shards but no "
+                    f"{key}={path!r} holds a prepared directory's shards but no "
                     f"{fmt.META_NAME}: an unfinished or damaged `jaxkit data prepare`; prepare "
                     "it again"
                 )
@@ -204,7 +204,7 @@ def _expand(path: str) -> list[str]:
             found, named = ([path] if os.path.isfile(path) else []), True
     if named and found and path.endswith(SIDE_SUFFIXES):
         raise TokenFileError(
-            f"data.path={path!r} is a side file ({', '.join(SIDE_SUFFIXES)}), not token ids: "
+            f"{key}={path!r} is a side file ({', '.join(SIDE_SUFFIXES)}), not token ids: "
             "name the .bin or .npy token files, or the directory that holds them"
         )
     if not named:  # masks, document indexes and a stray json are never token ids
@@ -212,9 +212,9 @@ def _expand(path: str) -> list[str]:
     for parent in sorted({_parent(f) for f in found}):
         if _is_prepared(parent):
             raise TokenFileError(
-                f"data.path={path!r} reaches into {parent}, a prepared directory whose "
+                f"{key}={path!r} reaches into {parent}, a prepared directory whose "
                 f"{fmt.META_NAME} names each split's shards and masks: pass "
-                f"data.path={parent} instead"
+                f"{key}={parent} instead"
             )
         if (
             not named
@@ -226,8 +226,8 @@ def _expand(path: str) -> list[str]:
             # Read as one stream, the tail held out would be val.bin's tail only, and the
             # rest of val.bin would be trained on.
             raise TokenFileError(
-                f"data.path={path!r} reaches {parent}'s val.bin, the held-out split of "
-                f"nanoGPT's layout: pass data.path={parent} (trains on train.bin, holds out "
+                f"{key}={path!r} reaches {parent}'s val.bin, the held-out split of "
+                f"nanoGPT's layout: pass {key}={parent} (trains on train.bin, holds out "
                 "val.bin), or name train.bin alone"
             )
     return found
@@ -362,11 +362,14 @@ def held_out_by_fraction(path: str) -> bool:
     return not prepared and _nanogpt_files(path) is None
 
 
-def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Split, Split, dict]:
+def open_splits(
+    path: str, token_dtype: str, eval_fraction: float, key: str = "data.path"
+) -> tuple[Split, Split, dict]:
     """(train, eval, facts): a prepared directory's two splits, nanoGPT's train.bin and
     val.bin, or other foreign token files whose last `eval_fraction` of tokens is held out.
     `facts` holds meta.json (or what is known without it: dtype, files and counts, and
-    "layout": "nanogpt" for nanoGPT's)."""
+    "layout": "nanogpt" for nanoGPT's). `key` is the config key that gave `path`, as the
+    refusals name it (a mixture's source: data.mixture.NAME.path)."""
     meta = read_meta(path) if not _is_glob(path) else None
     if meta is not None:
         train, held = (_prepared_split(path, meta, split) for split in fmt.SPLITS)
@@ -385,10 +388,10 @@ def open_splits(path: str, token_dtype: str, eval_fraction: float) -> tuple[Spli
             Split(val_tokens, None, None, None),
             facts,
         )
-    files = _expand(path)
+    files = _expand(path, key)
     if not files:
         raise TokenFileError(
-            f"data.path={path!r} matches no token file (.bin or .npy) and is no directory "
+            f"{key}={path!r} matches no token file (.bin or .npy) and is no directory "
             "that `jaxkit data prepare --out` wrote: prepare the data first (each token "
             "config's docstring gives the command)"
         )

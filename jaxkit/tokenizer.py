@@ -84,12 +84,14 @@ def model_tokenizer(directory: pathlib.Path) -> pathlib.Path | None:
     )
 
 
-def check_data(directory: pathlib.Path, source: str, path: str, facts: dict | None) -> str | None:
+def check_data(directory: pathlib.Path, source: str, label: str, facts: dict | None) -> str | None:
     """Refuses data that the model in `directory` (model.init_from's) would read as other
     tokens than it was made of; returns a warning line where the kit cannot tell.
 
-    `source` is data.source, `path` data.path, and `facts` what the token files say of
-    themselves (meta.json for a prepared directory; None for other sources)."""
+    `source` is data.source, `label` the key that names the token files as the user gave
+    it (`data.path=DIR`, or a mixture's `data.mixture.NAME.path=DIR`), and `facts` what the
+    token files say of themselves (meta.json for a prepared directory; None for other
+    sources)."""
     if not directory.is_dir():
         return None  # a resume, which reads the checkpoint (a fresh start refused it already)
     tokenizer_json = model_tokenizer(directory)
@@ -106,25 +108,25 @@ def check_data(directory: pathlib.Path, source: str, path: str, facts: dict | No
     assert facts is not None
     if "format" not in facts:  # foreign token files: nothing says how they were made
         return (
-            f"warning: data.path={path} holds token files that record no tokenizer: the kit "
+            f"warning: {label} holds token files that record no tokenizer: the kit "
             f"cannot check that they were made with {tokenizer_json}"
         )
     made_with = facts.get("tokenizer")
     if made_with == BYTES:
         raise TokenizerError(
-            f"data.path={path} was prepared with --tokenizer bytes, whose ids {model} reads as "
+            f"{label} was prepared with --tokenizer bytes, whose ids {model} reads as "
             f"other tokens; {prepare}"
         )
     recorded = facts.get("tokenizer_sha256")
     if recorded is None:
         return (
-            f"warning: data.path={path} was prepared with {made_with} by a jaxkit that did not "
+            f"warning: {label} was prepared with {made_with} by a jaxkit that did not "
             f"record its tokenizer_sha256: the kit cannot check that it is {tokenizer_json}"
         )
     expected = file_sha256(tokenizer_json)
     if recorded != expected:
         raise TokenizerError(
-            f"data.path={path} was prepared with another tokenizer than {model}'s: its "
+            f"{label} was prepared with another tokenizer than {model}'s: its "
             f"tokenizer_sha256 {recorded[:12]}... is not {tokenizer_json}'s {expected[:12]}... "
             f"(ids of one mean other tokens to the other, at any vocabulary size); {prepare}"
         )

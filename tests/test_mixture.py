@@ -305,6 +305,7 @@ def test_the_counts_at_a_far_block_need_no_walk_kept_in_memory():
         ({"web": {"path": "x", "weight": -1.5}}, "data.mixture.web.weight=-1.5: must be"),
         ({"web": {"path": "x", "wieght": 1}}, "data.mixture.web: unknown field 'wieght'"),
         ({"web": {"weight": 1}}, "data.mixture.web.path=null: must name token files"),
+        ({}, "data.mixture={} names no source: give NAME: {path, weight} for each"),
     ],
 )
 def test_a_bad_source_is_refused_in_one_line(value, said):
@@ -334,7 +335,8 @@ def test_sources_of_other_tokenizers_or_unreadable_paths_are_refused(dirs, tmp_p
     done = jaxkit(*RUN, _mix(dirs, gone=gone), "--workdir", str(tmp_path / "b"))
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
-    assert "error: data.mixture.gone: data.path=" in done.stderr, done.stderr
+    said = f"error: data.mixture.gone.path={str(tmp_path / 'missing')!r} matches no token file"
+    assert said in done.stderr, done.stderr
 
 
 # The trained runs below: 4 steps of 32 rows over two stages, two blocks at 0.9/0.1 (a

@@ -96,6 +96,10 @@ def test_a_model_with_a_tokenizer_json_refuses_ids_it_did_not_make(model, tmp_pa
     run("data.source=synthetic", "data.num_examples=64", says=["synthetic", command])
     as_bytes = prepared(model, "bytes", "bytes")
     run("data.source=tokens", f"data.path={as_bytes}", says=["--tokenizer bytes", command])
+    # A mixture's source is named as it was given, not as data.path.
+    mixture = "data.mixture=" + json.dumps({"web": {"path": str(as_bytes), "weight": 1}})
+    line = run("data.source=tokens", mixture, says=[f"data.mixture.web.path={as_bytes} was"])
+    assert "data.path" not in line, line
     # Another tokenizer of the same vocabulary size: its ids are in range, and other tokens.
     other = prepared(model, "other-data", str(model / "other" / "tokenizer.json"))
     run("data.source=tokens", f"data.path={other}", says=["another tokenizer", command])
