@@ -9,8 +9,9 @@ same tokens: the table counts how many agree.
 
 Points: llama_tiny at 256 and 1,024 new tokens, lm_tiny up to its data.seq_len (its learned
 positions end there, prompt included), each after one prompt of 8 bytes (a bucket of 16)
-per row. Each program is the one `Sampler.generate` runs (`Sampler._program`, for the
-arguments `Sampler._batch` gives it), compiled ahead of time: compile time (tracing,
+per row. Each program is the pair `Sampler.generate` runs (`Sampler._program`'s prefill
+and `Sampler._advance`'s steps, for the arguments `Sampler._batch` gives them, every new
+token in one call as without a progress bar), compiled ahead of time: compile time (tracing,
 lowering and compiling) is reported apart from generation, which is the compiled program's
 call until its tokens are on the host, the median of --repeats calls (--recompute-repeats
 for the recomputed path, whose long points take the most time) after a first, untimed one
@@ -117,21 +118,29 @@ def timed(sampler, prompts: list[list[int]], new: int, repeats: int) -> dict:
     longest = max(map(len, prompts))
     B, bucket = sampler.rows_per_batch(len(prompts)), sampler.prompt_bucket(longest)
     eos_E = np.full((8,), -1, np.int32)  # no stop id (-1 is never drawn): all `new` tokens
-    program = sampler._program(B, bucket, new, settings, len(eos_E), False)
-    args = (
-        sampler.params,
-        *sampler._batch(prompts, B, bucket, 0, new, longest),
-        np.uint32(0),
-        eos_E,
-    )
+    programs = sampler._program(B, bucket, new, settings, len(eos_E), False)
+    tokens, where, rows = sampler._batch(prompts, B, bucket, 0, new, longest)
     start = time.perf_counter()
-    compiled = program.lower(*args).compile()
+    lowered = programs[0].lower(sampler.params, tokens, where, rows)
+    compiled_start = lowered.compile()
+    # The prefill's state, as the advance program takes it (laid out as the prefill left it).
+    state = jax.tree.map(
+        lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+        lowered.out_info,
+        compiled_start.output_shardings,
+    )
+    advance_args = (where, rows, np.uint32(0), eos_E, np.int32(new))
+    advance = sampler._advance(programs, state, settings)
+    compiled_advance = advance.lower(sampler.params, state, *advance_args).compile()
     compile_s = time.perf_counter() - start
 
     def call() -> float:
+        """The prefill, then every new token in one call, as generate() runs a batch."""
         nonlocal tokens_BxN
         start = time.perf_counter()
-        tokens_BxN = np.asarray(compiled(*args)[0])
+        state = compiled_start(sampler.params, tokens, where, rows)
+        state = compiled_advance(sampler.params, state, *advance_args)
+        tokens_BxN = np.asarray(state[-3])
         return time.perf_counter() - start
 
     tokens_BxN = None

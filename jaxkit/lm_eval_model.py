@@ -24,7 +24,8 @@ tokenizer.json its data was prepared with) or DIR's.
 
 A context longer than the model takes is cut on the left, as the harness's own Hugging
 Face model does: `max_length` tokens for a score (the continuation kept whole), `max_length
-- max_gen_toks` before a generation. `max_length` is the learned positions' end
+- max_gen_toks` before a generation. `max_length` is the model's context as `jaxkit sample`
+takes it (jaxkit/commands/source.py `Source.context`): the learned positions' end
 (data.seq_len) for the byte LM, config.json's `max_position_embeddings` for hf:DIR (or a
 run fine-tuned from one), else the run's data.seq_len.
 """
@@ -59,7 +60,6 @@ from jaxkit.train_step import on_mesh
 
 DEVICE_TOKENS = 8192  # a scoring batch's tokens per device (its rows × its length bucket)
 MAX_GEN_TOKS = 256  # new tokens where a task does not say (the harness's own default)
-HF_MAX_LENGTH = 2048  # an hf:DIR whose config.json gives no max_position_embeddings
 
 Request = tuple[Any, list[int], list[int]]  # (the strings, context ids, continuation ids)
 
@@ -95,7 +95,7 @@ class JaxkitLM(TemplateLM):
         self.opened = opened
         self.text, self.eos_ids = sample_lib.source_tokenizer(opened)
         self.vocab = int(config.model.vocab_size)
-        self._max_length = max_length or self._default_max_length(decoding.max_positions)
+        self._max_length = max_length or opened.context(decoding)[0]
         if decoding.max_positions is not None and self._max_length > decoding.max_positions:
             raise common.UsageError(
                 f"max_length {self._max_length}: the model's learned positions end at "
@@ -103,7 +103,9 @@ class JaxkitLM(TemplateLM):
             )
         mesh = source_lib.make_mesh(config, overrides)
         _, _, abstract, shardings = sampling.param_layout(config, mesh)
-        params = source_lib.load_params(opened, abstract, shardings)
+        params = source_lib.load_params(
+            opened, abstract, shardings, "their scores and generations would be NaN"
+        )
         self.sampler = sampling.Sampler(config, mesh, params)
         self.mesh = mesh
         self._scorers: dict[tuple[int, int], Any] = {}
@@ -118,7 +120,7 @@ class JaxkitLM(TemplateLM):
         """What the first token of a text without context is predicted from: the data's (or
         DIR's) beginning of sequence, else its end of text, else (byte text has neither) a
         newline."""
-        hf = self._hf_config()
+        hf = self.opened.hf_config()
         for found in (self.text.bos_id, hf.get("bos_token_id"), *self.eos_ids):
             if isinstance(found, int) and not isinstance(found, bool):
                 return found
@@ -145,21 +147,6 @@ class JaxkitLM(TemplateLM):
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
         return self.text.decode(tokens)
-
-    def _hf_config(self) -> dict:
-        if self.opened.hf_dir is not None:
-            from jaxkit.hf.load import read_hf_config
-
-            return dict(read_hf_config(self.opened.hf_dir))
-        return dict((self.opened.meta.get("hf_source") or {}).get("config") or {})
-
-    def _default_max_length(self, positions: int | None) -> int:
-        if positions is not None:
-            return positions
-        hf = self._hf_config()
-        if self.opened.hf_dir is not None or hf:
-            return int(hf.get("max_position_embeddings") or HF_MAX_LENGTH)
-        return int(self.opened.config.data.seq_len)
 
     # Scores.
     def _loglikelihood_tokens(

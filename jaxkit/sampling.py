@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +49,8 @@ from jaxkit.train_step import on_mesh, with_kernel
 MAX_BATCH_ROWS = 64  # rows per compiled batch (rounded up to the batch axes' size)
 MIN_PROMPT_BUCKET = 16
 SPLASH_BLOCK = 128  # a splash prefill's length is a multiple of its block
+PROGRESS_STEPS = 64  # tokens a call generates where a bar shows progress
+PROGRESS_DELAY_S = 2.0  # a generation shorter than this shows no bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,22 +112,21 @@ def _stopped(tokens_B: jax.Array, eos_E: jax.Array) -> jax.Array:
     return jnp.isin(tokens_B, eos_E)
 
 
-def _cached(
+def _cached_start(
     params: Any,
     prompts_BxP: jax.Array,
     start_B: jax.Array,
     rows_B: jax.Array,
-    seed: jax.Array,
-    eos_E: jax.Array,
     *,
     graphdef: nnx.GraphDef,
     cache_shape: tuple[int, int, int],
     dtype: Any,
     new: int,
-    settings: Settings,
     keep_logits: bool,
-) -> tuple[jax.Array, jax.Array | None]:
-    """(tokens_BxN, logits_BxNxV each token was chosen from, or None), by the cache."""
+) -> tuple:
+    """The prompts' pass through the model (prefill): the state `_cached_advance` goes on
+    from, (step, logits_BxV the next token is chosen from, cache, tokens_BxN, done_B,
+    logits_BxNxV each token was chosen from or None)."""
     model: Any = nnx.merge(graphdef, params)
     B, P = prompts_BxP.shape
     layers_, kv_heads, head_dim = cache_shape
@@ -136,6 +138,25 @@ def _cached(
     logits_BxV = logits_BxPxV[:, -1].astype(jnp.float32)
     tokens_BxN = jnp.zeros((B, new), jnp.int32)
     kept = jnp.zeros((B, new, logits_BxV.shape[-1]), jnp.float32) if keep_logits else None
+    return jnp.zeros((), jnp.int32), logits_BxV, cache, tokens_BxN, rows_B < 0, kept
+
+
+def _cached_advance(
+    params: Any,
+    state: tuple,
+    start_B: jax.Array,
+    rows_B: jax.Array,
+    seed: jax.Array,
+    eos_E: jax.Array,
+    until: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    settings: Settings,
+) -> tuple:
+    """`state` with its tokens chosen up to step `until` (or until every row stopped), one
+    step per token over the cache."""
+    new = state[3].shape[1]
+    P = state[2].k_NxBxSxGxK.shape[2] - new  # the prompt bucket: the cache holds it and new
 
     def step(state: tuple) -> tuple:
         t, logits_BxV, cache, tokens_BxN, done_B, kept = state
@@ -151,31 +172,46 @@ def _cached(
         return t + 1, logits_Bx1xV[:, 0].astype(jnp.float32), cache, tokens_BxN, done_B, kept
 
     def going(state: tuple) -> jax.Array:
-        return (state[0] < new) & ~jnp.all(state[4])
+        return (state[0] < jnp.minimum(until, new)) & ~jnp.all(state[4])
 
-    start = (jnp.zeros((), jnp.int32), logits_BxV, cache, tokens_BxN, rows_B < 0, kept)
-    _, _, _, tokens_BxN, _, kept = jax.lax.while_loop(going, step, start)
-    return tokens_BxN, kept
+    return jax.lax.while_loop(going, step, state)
 
 
-def _recomputed(
+def _recomputed_start(
     params: Any,
     prompts_BxS: jax.Array,
     lengths_B: jax.Array,
     rows_B: jax.Array,
-    seed: jax.Array,
-    eos_E: jax.Array,
     *,
     graphdef: nnx.GraphDef,
     new: int,
-    settings: Settings,
     keep_logits: bool,
-) -> tuple[jax.Array, jax.Array | None]:
-    """As _cached, for a model without a cache: the whole buffer (prompts padded on the
-    right) through the model at every step, each row read at its last token."""
-    model: Any = nnx.merge(graphdef, params)
-    B, S = prompts_BxS.shape
+) -> tuple:
+    """As _cached_start, for a model without a cache: (step, the buffer of prompts padded
+    on the right, tokens_BxN, done_B, kept logits or None)."""
+    B, _ = prompts_BxS.shape
     tokens_BxN = jnp.zeros((B, new), jnp.int32)
+    vocab = jax.eval_shape(nnx.merge(graphdef, params), prompts_BxS).shape[-1]
+    kept = jnp.zeros((B, new, vocab), jnp.float32) if keep_logits else None
+    return jnp.zeros((), jnp.int32), prompts_BxS, tokens_BxN, rows_B < 0, kept
+
+
+def _recomputed_advance(
+    params: Any,
+    state: tuple,
+    lengths_B: jax.Array,
+    rows_B: jax.Array,
+    seed: jax.Array,
+    eos_E: jax.Array,
+    until: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    settings: Settings,
+) -> tuple:
+    """As _cached_advance, for a model without a cache: the whole buffer through the model
+    at every step, each row read at its last token."""
+    B, S = state[1].shape
+    new = state[2].shape[1]
     rows = jnp.arange(B)
 
     def step(state: tuple) -> tuple:
@@ -190,13 +226,9 @@ def _recomputed(
         return t + 1, buffer_BxS, tokens_BxN, done_B | _stopped(chosen_B, eos_E), kept
 
     def going(state: tuple) -> jax.Array:
-        return (state[0] < new) & ~jnp.all(state[3])
+        return (state[0] < jnp.minimum(until, new)) & ~jnp.all(state[3])
 
-    vocab = jax.eval_shape(model, prompts_BxS).shape[-1]
-    kept = jnp.zeros((B, new, vocab), jnp.float32) if keep_logits else None
-    start = (jnp.zeros((), jnp.int32), prompts_BxS, tokens_BxN, rows_B < 0, kept)
-    _, _, tokens_BxN, _, kept = jax.lax.while_loop(going, step, start)
-    return tokens_BxN, kept
+    return jax.lax.while_loop(going, step, state)
 
 
 def param_layout(
@@ -241,32 +273,58 @@ class Sampler:
 
     def _program(
         self, rows: int, bucket: int, new: int, settings: Settings, stops: int, keep_logits: bool
-    ) -> Any:
-        """The jitted generation of `new` tokens for `rows` prompts of `bucket` tokens with
-        `stops` stop ids, compiled on its first call."""
+    ) -> list[Any]:
+        """[the jitted start, the jitted advance or None until the start's state is known]
+        of generating `new` tokens for `rows` prompts of `bucket` tokens with `stops` stop
+        ids, each compiled on its first call."""
         key = (rows, bucket, new, settings, stops, keep_logits)
         if key in self._programs:
             return self._programs[key]
-        common: dict[str, Any] = dict(new=new, settings=settings, keep_logits=keep_logits)
         if self.decoding.cache is not None:
-            fn = functools.partial(
-                _cached,
+            start = functools.partial(
+                _cached_start,
                 graphdef=self.graphdef,
                 cache_shape=self.decoding.cache,
                 dtype=layers.dtypes(self.config.model)[1],
-                **common,
+                new=new,
+                keep_logits=keep_logits,
             )
         else:
-            fn = functools.partial(_recomputed, graphdef=self.graphdef, **common)
+            start = functools.partial(
+                _recomputed_start, graphdef=self.graphdef, new=new, keep_logits=keep_logits
+            )
         rows_ = NamedSharding(self.mesh, P(mesh_lib.BATCH_AXES))
-        replicated = mesh_lib.replicated(self.mesh)
         program = jax.jit(
-            on_mesh(fn, self.mesh),
-            in_shardings=(self.shardings, rows_, rows_, rows_, replicated, replicated),
-            out_shardings=(rows_, rows_ if keep_logits else None),
+            on_mesh(start, self.mesh),
+            in_shardings=(self.shardings, rows_, rows_, rows_),
         )
-        self._programs[key] = program
-        return program
+        self._programs[key] = [program, None]
+        return self._programs[key]
+
+    def _advance(self, programs: list[Any], state: tuple, settings: Settings) -> Any:
+        """The jitted advance, its state laid out as the start left it, in and out (one
+        program for every call), the state donated."""
+        if programs[1] is None:
+            fn = _cached_advance if self.decoding.cache is not None else _recomputed_advance
+            fn = functools.partial(fn, graphdef=self.graphdef, settings=settings)
+            rows_ = NamedSharding(self.mesh, P(mesh_lib.BATCH_AXES))
+            replicated = mesh_lib.replicated(self.mesh)
+            laid_out = jax.tree.map(lambda x: x.sharding, state)
+            programs[1] = jax.jit(
+                on_mesh(fn, self.mesh),
+                in_shardings=(
+                    self.shardings,
+                    laid_out,
+                    rows_,
+                    rows_,
+                    replicated,
+                    replicated,
+                    replicated,
+                ),
+                out_shardings=laid_out,
+                donate_argnums=1,
+            )
+        return programs[1]
 
     def generate(
         self,
@@ -277,9 +335,14 @@ class Sampler:
         seed: int = 0,
         eos_ids: Sequence[int] = (),
         keep_logits: bool = False,
+        progress: bool = False,
     ) -> tuple[list[Sample], list[np.ndarray]]:
         """A sample of up to `max_new` tokens for each prompt (prompt i is row i of the
-        seed's draws), and, with `keep_logits`, the logits each token was chosen from."""
+        seed's draws), and, with `keep_logits`, the logits each token was chosen from.
+        `progress`: a bar on stderr where generating takes over PROGRESS_DELAY_S, the
+        program then called for PROGRESS_STEPS tokens at a time."""
+        import tqdm
+
         limit = self.decoding.max_positions
         longest = max(len(p) for p in prompts)
         if limit is not None and longest + max_new > limit:
@@ -291,22 +354,41 @@ class Sampler:
         # The stop ids are an argument (-1 never drawn pads them): one program for any.
         eos_E = np.full((-(-max(len(eos), 1) // 8) * 8,), -1, np.int32)
         eos_E[: len(eos)] = eos
-        program = self._program(B, bucket, max_new, settings, len(eos_E), keep_logits)
+        programs = self._program(B, bucket, max_new, settings, len(eos_E), keep_logits)
         samples: list[Sample] = []
         logits: list[np.ndarray] = []
-        for first in range(0, len(prompts), B):
-            chunk = list(prompts[first : first + B])
-            tokens_BxN, kept = program(
-                self.params,
-                *self._batch(chunk, B, bucket, first, max_new, longest),
-                np.uint32(seed),
-                eos_E,
-            )
-            tokens_BxN = np.asarray(tokens_BxN)
-            for i, prompt in enumerate(chunk):
-                samples.append(_cut(list(prompt), tokens_BxN[i].tolist(), eos))
-                if kept is not None:
-                    logits.append(np.asarray(kept[i]))
+        batches = range(0, len(prompts), B)
+        chunk = PROGRESS_STEPS if progress else max_new
+        with tqdm.tqdm(
+            total=len(batches) * max_new,
+            unit="step",
+            desc="generating",
+            disable=not progress,
+            delay=PROGRESS_DELAY_S,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        ) as bar:
+            for first in batches:
+                rows = list(prompts[first : first + B])
+                tokens, where, rows_B = self._batch(rows, B, bucket, first, max_new, longest)
+                state = programs[0](self.params, tokens, where, rows_B)
+                advance = self._advance(programs, state, settings)
+                done = 0
+                while done < max_new:
+                    until = min(done + chunk, max_new)
+                    state = advance(
+                        self.params, state, where, rows_B, np.uint32(seed), eos_E, np.int32(until)
+                    )
+                    # the steps taken, and every row stopped: a batch may end before max_new
+                    t, stopped = jax.device_get((state[0], state[-2]))
+                    bar.update((max_new if stopped.all() else int(t)) - done)
+                    done = max_new if stopped.all() else int(t)
+                tokens_BxN = np.asarray(state[-3])
+                kept = state[-1]
+                for i, prompt in enumerate(rows):
+                    samples.append(_cut(list(prompt), tokens_BxN[i].tolist(), eos))
+                    if kept is not None:
+                        logits.append(np.asarray(kept[i]))
         return samples, logits
 
     def _batch(

@@ -116,16 +116,24 @@ def _hf_dir(tmp_path, vocab_size: int):
     return path, hf_config
 
 
-def test_eval_of_an_hf_dir_on_prepared_tokens_is_the_weighted_mean_over_their_targets(tmp_path):
+@pytest.mark.parametrize("seq_len", [None, 32])
+def test_eval_of_an_hf_dir_on_prepared_tokens_is_the_weighted_mean_over_their_targets(
+    tmp_path, seq_len
+):
     """hf:DIR (no tokenizer of its own: a byte-level model) on prepared byte documents,
     their prompts masked: Σ weight × loss / Σ weight over the held-out windows' scored
-    targets, against the model's logits on one device, summed here in float64."""
+    targets, against the model's logits on one device, summed here in float64. The rows
+    are the model's context (config.json's max_position_embeddings=64, not llama_tiny's
+    data.seq_len=128), or a data.seq_len within it."""
     data = tmp_path / "data"
     padded_prompt_completion(data)
     path, hf_config = _hf_dir(tmp_path, 257)
-    result = _json(f"hf:{path}", f"--data={data}", "mesh.fsdp=2")
-    # The rows as the data layer gives them at llama_tiny's data.seq_len, which hf:DIR runs.
-    config = jaxkit_config(hf_config, "data.seq_len=128", "data.source=tokens", f"data.path={data}")
+    override = [] if seq_len is None else [f"data.seq_len={seq_len}"]
+    result = _json(f"hf:{path}", f"--data={data}", "mesh.fsdp=2", *override)
+    rows_of = seq_len or hf_config["max_position_embeddings"]
+    config = jaxkit_config(
+        hf_config, f"data.seq_len={rows_of}", "data.source=tokens", f"data.path={data}"
+    )
     _, held_out = data_lib.make_sources(config)
     rows = held_out[np.arange(len(held_out))]
     graphdef, _ = _abstract_model(config)
@@ -165,13 +173,23 @@ def test_eval_refuses_what_it_cannot_evaluate_in_one_line(run, tmp_path):
     record.write_text(json.dumps(meta))
     cases = {
         (str(moved),): f"eval_rows {HELD_OUT_ROWS + 1!r} (saved) -> {HELD_OUT_ROWS!r}",
-        (workdir, "--data", str(tmp_path / "nothing.txt")): "nothing.txt': is not a file",
+        (workdir, "--data", str(tmp_path / "nothing.txt")): (
+            f"--data '{tmp_path / 'nothing.txt'}': is not a file"
+        ),
         (workdir, "--step", "7"): "--step 7",
         (workdir, "model.d_model=64"): "model.d_model=64",
         (str(tmp_path),): "holds no checkpoint",
         (f"hf:{small}",): "give --data PATH",
         (f"hf:{small}", "--data", str(data)): "257-token vocabulary, above model.vocab_size=48",
-        (f"hf:{with_tokenizer}", "--data", str(data)): "prepared with --tokenizer bytes",
+        (f"hf:{with_tokenizer}", "--data", str(data)): f"--data {data} was prepared with "
+        "--tokenizer bytes",
+        (f"hf:{small}", "--data", str(data), "data.seq_len=65"): (
+            f"data.seq_len=65: hf:{small} takes 64 positions (config.json's "
+            "max_position_embeddings=64); give data.seq_len=64 or less"
+        ),
+        (workdir, "data.seq_len=8"): "may override mesh.*, model.attention and model.compute",
+        (str(tmp_path / "no_run"),): f"{tmp_path / 'no_run'}: no such directory",
+        (str(tmp_path / "moved" / "summary.json"),): "summary.json: a file, not a run's workdir",
     }
     for args, said in cases.items():
         done = jaxkit("eval", *args)

@@ -245,3 +245,26 @@ def test_a_null_config_json_field_is_refused_unless_transformers_reads_null(good
     hf_load.apply_init_from(config)
     assert (config.model.num_kv_heads, config.model.head_dim) == (4, None)
     assert config.model.rope_scaling is None
+
+
+def test_sample_and_the_harness_refuse_a_damaged_tokenizer_json_in_one_line(good, tmp_path):
+    """`eval --data`, `train` and `data prepare` refused a tokenizer.json that does not load
+    in one line; `sample` and `eval --tasks` failed inside the tokenizers library."""
+    directory = copy_of(good, tmp_path, "tokenizer")
+    (directory / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # cut short
+    says = [f"{directory / 'tokenizer.json'}: not a tokenizer.json that loads: "]
+    refused("sample", f"hf:{directory}", "--prompt", "x", says=says)
+    tasks = ("--tasks", "jaxkit_choice", "--include-path", "tests/data/lm_eval")
+    refused("eval", f"hf:{directory}", *tasks, says=says)
+
+
+def test_sample_refuses_weights_that_are_not_finite_saying_what_it_would_draw(good, tmp_path):
+    directory = with_value(good, tmp_path, "nan", "model.layers.0.mlp.up_proj.weight", 0, np.nan)
+    refused(
+        "sample", f"hf:{directory}", "--prompt", "x",
+        says=[
+            f"hf:{directory}: model.layers.0.mlp.up_proj.weight (param blocks/0/up/kernel) "
+            "holds NaN or infinite values as loaded",
+            "; sampling from them draws from NaN logits",
+        ],
+    )  # fmt: skip

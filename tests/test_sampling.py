@@ -167,6 +167,27 @@ def test_a_seed_gives_the_same_samples_on_1_and_8_devices():
     assert samples[0].finish_reason == "eos" and len(samples[0].tokens) <= 3
 
 
+def test_a_rows_draws_follow_its_place_among_all_rows_not_within_its_batch():
+    """66 samples of one prompt run as batches of 64 and 2: row r draws with row r's keys
+    (its first token is the independent draw of fold_in(fold_in(key(seed), r), 0) from the
+    prompt's distribution), so samples 64 and 65 are not samples 0 and 1 again."""
+    config, model = _model("lm_tiny", "mesh.data=1")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    sampler = sampling.Sampler(config, _mesh(config, 1), params)
+    settings = sampling.Settings(temperature=1.0)
+    rows = 66
+    samples, _ = sampler.generate([PROMPTS[1]] * rows, max_new=4, settings=settings, seed=5)
+    assert sampler.rows_per_batch(rows) == sampling.MAX_BATCH_ROWS < rows
+    drawn = [s.tokens for s in samples]
+    assert drawn[64:] != drawn[:2]
+    graphdef, state = nnx.split(model)
+    logits_V = nnx.merge(graphdef, state)(jnp.asarray([PROMPTS[1]]))[0, -1]
+    log_p_V = jnp.log(sampling.distribution(logits_V[None], settings)[0])
+    for r in (0, 1, 64, 65):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), r), 0)
+        assert drawn[r][0] == int(jax.random.categorical(key, log_p_V)), r
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> str:
     """A byte LM trained for 2 steps at SMALL_LM's size (rows of 16 bytes)."""
@@ -230,11 +251,26 @@ def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run, 
     changes no model key."""
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
     (tmp_path / "p.csv").write_text("a\n")
+    (tmp_path / "lone.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b\\udcff"}\n')
     cases = {
         ("--prompts", str(tmp_path / "bad.jsonl")): "line 2 is not a JSON object",
         ("--prompts", str(tmp_path / "p.csv")): "a .jsonl",
-        ("--prompt", "é", "--prompt", "\N{SNOWMAN}" * 6): "is 18 tokens",
+        ("--prompt", "é", "--prompt", "\N{SNOWMAN}" * 6): (
+            "prompt '☃☃☃☃☃☃' is 18 tokens, longer than the model's context of 16 positions "
+            "(its learned positions end at data.seq_len=16), new tokens included: give a "
+            "shorter prompt, or --truncate-left to keep its last 8"
+        ),
         ("--prompt", "def ", "--max-new-tokens", "13"): "data.seq_len=16",
+        ("--prompt", "x", "--max-new-tokens", "16"): "--max-new-tokens 16: the model's context",
+        # Bytes that are not UTF-8 on the command line (Python's argv holds them escaped),
+        # and a lone surrogate a JSON escape makes.
+        ("--prompt", "ab\udcffcd"): (
+            "--prompt 'ab\\xffcd' is not UTF-8 text (byte 0xff): give it as UTF-8"
+        ),
+        ("--prompts", str(tmp_path / "lone.jsonl")): (
+            f"--prompts {tmp_path / 'lone.jsonl'}: line 2's prompt is not UTF-8 text (a lone "
+            "surrogate \\udcff)"
+        ),
         ("model.d_model=64", "--prompt", "x"): "model.d_model=64",
         ("--prompt", "x", "--step", "7"): "--step 7",
         (): "no prompt",
@@ -243,6 +279,9 @@ def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run, 
         done = jaxkit("sample", trained_run, *args)
         assert done.returncode == 2 and done.stdout == "", args
         assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
+    done = jaxkit("sample", str(tmp_path / "no_run"), "--prompt", "x")
+    assert done.returncode == 2
+    assert done.stderr == f"jaxkit: error: {tmp_path / 'no_run'}: no such directory\n"
     # Values out of range: argparse's usage errors (its usage line, then the error).
     for option, value, said in (
         ("--seed", str(2**32), "--seed: must be below 2**32"),
@@ -255,6 +294,86 @@ def test_sample_refuses_what_the_model_cannot_generate_in_one_line(trained_run, 
     fits = jaxkit("sample", trained_run, "--prompt", "def ", "--json")
     assert fits.returncode == 0, fits.stderr
     assert len(json.loads(fits.stdout)["tokens"]) == 12
+
+
+def test_truncate_left_keeps_a_prompts_last_tokens_and_generates_from_them(trained_run):
+    """A prompt longer than the context (16 bytes) keeps its last 16 - N with
+    --truncate-left, and samples as that tail given whole would; stderr says it was cut."""
+    prompt = "import os, sys, re\n"  # 19 bytes
+    args = ["--max-new-tokens", "6", "--temperature", "0", "--json", "--no-progress"]
+    cut = jaxkit("sample", trained_run, "--prompt", prompt, "--truncate-left", *args)
+    assert cut.returncode == 0, cut.stderr
+    assert cut.stderr == (
+        f"note: prompt {prompt!r} is 19 tokens: cut on the left to its last 10, leaving 6 new "
+        "tokens in the model's context of 16\n"
+    )
+    tail = jaxkit("sample", trained_run, "--prompt", prompt[-10:], *args)
+    assert tail.returncode == 0, tail.stderr
+    line, expected = json.loads(cut.stdout), json.loads(tail.stdout)
+    assert line["prompt"] == prompt and line["prompt_tokens"] == list(prompt[-10:].encode())
+    assert line["tokens"] == expected["tokens"] and len(line["tokens"]) == 6
+    # Without --max-new-tokens: half the context is left to the new tokens.
+    halves = jaxkit("sample", trained_run, "--prompt", prompt, "--truncate-left", "--json")
+    assert halves.returncode == 0, halves.stderr
+    assert len(json.loads(halves.stdout)["prompt_tokens"]) == 8
+    assert len(json.loads(halves.stdout)["tokens"]) == 8
+
+
+def test_a_long_generation_shows_progress_on_stderr_unless_no_progress(trained_run, monkeypatch):
+    """The bar shows where generating takes over PROGRESS_DELAY_S (0 here), the program
+    then run PROGRESS_STEPS tokens at a time (5 here): the same samples as one call."""
+    monkeypatch.setattr(sampling, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(sampling, "PROGRESS_STEPS", 5)
+    args = ["sample", trained_run, "--prompt", "def ", "--max-new-tokens", "12", "--json"]
+    shown = jaxkit(*args, "--num-samples", "2")
+    assert shown.returncode == 0, shown.stderr
+    assert "generating" in shown.stderr and "12/12" in shown.stderr, shown.stderr
+    quiet = jaxkit(*args, "--num-samples", "2", "--no-progress")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert shown.stdout == quiet.stdout
+    assert [len(json.loads(line)["tokens"]) for line in quiet.stdout.splitlines()] == [12, 12]
+
+
+def test_sample_takes_an_hf_dirs_context_from_max_position_embeddings(tmp_path):
+    """A rotary model has no position table to end: its context is config.json's
+    max_position_embeddings (64 here), prompt and new tokens together."""
+    hf_config = {"model_type": "llama", **HF_SHAPE, "tie_word_embeddings": False}
+    path = write_hf_dir(tmp_path / "hf", hf_config, random_tensors(jaxkit_config(hf_config), 3))
+    why = "config.json's max_position_embeddings=64"
+    long = "!#%&" * 17  # 68 bytes, within the vocabulary of 48
+    for args, said in (
+        (("--prompt", "!#", "--max-new-tokens", "2000"), f"context is 64 positions ({why})"),
+        (("--prompt", "!#", "--max-new-tokens", "63"), "give at most 62 new tokens"),
+        (
+            ("--prompt", long),
+            f"is 68 tokens, longer than the model's context of 64 positions ({why})",
+        ),
+    ):
+        done = jaxkit("sample", f"hf:{path}", *args)
+        assert done.returncode == 2 and done.stdout == "", args
+        assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
+    done = jaxkit(
+        "sample", f"hf:{path}", "--prompt", long, "--truncate-left", "--max-new-tokens", "4",
+        "--temperature", "0", "--json", "--no-progress",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = json.loads(done.stdout)
+    assert line["prompt_tokens"] == list(long.encode())[-60:] and len(line["tokens"]) == 4
+    # config.json without max_position_embeddings: transformers' default of 2048.
+    del hf_config["max_position_embeddings"]
+    (path / "config.json").write_text(json.dumps(hf_config))
+    done = jaxkit("sample", f"hf:{path}", "--prompt", "!#", "--max-new-tokens", "2047")
+    assert done.returncode == 2
+    assert (
+        "context is 2048 positions (transformers' default, as config.json gives no "
+        "max_position_embeddings)" in done.stderr
+    ), done.stderr
+
+
+def test_the_usage_line_shows_that_prompt_and_prompts_go_together():
+    done = jaxkit("sample", "--help")
+    assert done.returncode == 0
+    assert "[--prompt TEXT ...] [--prompts FILE]" in " ".join(done.stdout.split())
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
+import re
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 from jaxkit.commands import common
 from jaxkit.commands import source as source_lib
@@ -33,7 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "       jaxkit eval SOURCE [key=value ...] --tasks T[,T...] [--limit N] "
         "[--num-fewshot K] [--include-path DIR] [--out PATH] [options]",
     )
-    source_lib.add_source(parser, hf_note="; it needs --data")
+    source_lib.add_source(
+        parser,
+        hf_note="; it needs --data",
+        hf_keys=" (and data.seq_len, within its context, for hf:DIR)",
+    )
     parser.add_argument(
         "--data",
         type=common.directory,
@@ -123,7 +131,8 @@ def run(
         for name in HARNESS_OPTIONS:
             if getattr(opts, name) is not None:
                 raise common.UsageError(f"--{name.replace('_', '-')} applies with --tasks only")
-        source_lib.check_overrides(opts.overrides, "an eval")
+        # hf:DIR's rows may be shorter than its context (a run's are the run's)
+        source_lib.check_overrides(opts.overrides, "an eval", ("data.seq_len",) if hf else ())
         if hf and opts.data is None:
             raise common.UsageError(
                 f"{opts.source} holds no held-out split: give --data PATH, token files "
@@ -131,8 +140,10 @@ def run(
             )
         # Before anything reads a checkpoint: the device count is fixed when JAX starts.
         start_jax(opts.host_devices, False, not opts.no_compile_cache)
-        hf_data = ["data.source=tokens", f"data.path={opts.data}"] if hf else []
-        source = source_lib.open_source(opts, load_config, hf_data)
+        hf_data = [*_hf_rows(opts.source), "data.source=tokens", f"data.path={opts.data}"]
+        source = source_lib.open_source(opts, load_config, hf_data if hf else [])
+        if hf:
+            _check_hf_rows(source)
         examples = source.config.train.eval_examples if opts.examples is None else opts.examples
         held_out = _held_out(source, opts.data, examples)
         result = _evaluate(source, held_out, examples, opts.overrides)
@@ -145,9 +156,37 @@ def run(
         MeshError,
         TokenizerError,
     ) as err:
-        return common.error(err)
+        return common.error(common.UsageError(_as_typed(str(err), opts.data)))
     print(_report(result, source, isinstance(held_out, TokenWindows), opts.json))
     return 0
+
+
+def _hf_rows(source: str) -> list[str]:
+    """hf:DIR's rows as its context (config.json's max_position_embeddings): the
+    data.seq_len an eval of it reads, unless an override gives one within it."""
+    from jaxkit.hf.load import read_hf_config
+
+    if not source.startswith(source_lib.HF_PREFIX):
+        return []
+    directory = pathlib.Path(source[len(source_lib.HF_PREFIX) :])
+    context, _ = source_lib.hf_context(read_hf_config(directory), source)
+    return [f"data.seq_len={context}"]
+
+
+def _check_hf_rows(source: source_lib.Source) -> None:
+    """A data.seq_len override beyond hf:DIR's context is refused: its positions end there."""
+    context, why = source.context(source.decoding("it has no held-out loss of text"))
+    seq_len = int(source.config.data.seq_len)
+    if seq_len > context:
+        raise common.UsageError(
+            f"data.seq_len={seq_len}: {source.where} takes {context} positions ({why}); give "
+            f"data.seq_len={context} or less"
+        )
+
+
+def _as_typed(message: str, data: str | None) -> str:
+    """A refusal of --data's path as the user gave it: the data layer names it data.path."""
+    return message if data is None else re.sub(r"\bdata\.path=", "--data ", message)
 
 
 def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bool], None]) -> int:
@@ -165,6 +204,7 @@ def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bo
                 )
         try:
             import lm_eval
+            import lm_eval.evaluator
         except ImportError:
             raise common.UsageError(
                 f"--tasks runs lm-evaluation-harness, which is not installed: {EXTRA}"
@@ -182,13 +222,16 @@ def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bo
         from jaxkit.lm_eval_model import JaxkitLM  # its errors are usage errors
 
         model = JaxkitLM(opts.source, *opts.overrides, step=opts.step)
-        results = lm_eval.simple_evaluate(
-            model=model,
-            tasks=opts.tasks,
-            num_fewshot=opts.num_fewshot,
-            limit=opts.limit,
-            task_manager=tasks,
-        )
+        # The harness records the git commit of the directory it runs in with `git describe`,
+        # whose "fatal: not a git repository" outside one went to the user's terminal.
+        with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _git_commit_quietly):
+            results = lm_eval.simple_evaluate(
+                model=model,
+                tasks=opts.tasks,
+                num_fewshot=opts.num_fewshot,
+                limit=opts.limit,
+                task_manager=tasks,
+            )
     except (
         common.UsageError,
         CheckpointError,
@@ -209,6 +252,19 @@ def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bo
         out.parent.mkdir(parents=True, exist_ok=True)  # checked writable before any work
         out.write_text(text + "\n")
     return 0
+
+
+def _git_commit_quietly() -> str | None:
+    """lm_eval.loggers.utils.get_git_commit_hash, git's stderr kept off the terminal."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        found = subprocess.run(
+            ["git", "describe", "--always"], capture_output=True, check=True, text=True
+        )
+        return found.stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return get_commit_from_path(os.getcwd())
 
 
 def _task_manager(names: list[str], include_path: str | None) -> Any:
@@ -312,7 +368,7 @@ def _held_out(source: source_lib.Source, path: str | None, examples: int) -> dat
     data_lib.check_eval_weight(held_out, examples)
     note = getattr(train, "note", None)  # how token files were read, where it matters
     if note:
-        print(note, file=sys.stderr)
+        print(_as_typed(note, path), file=sys.stderr)
     if path is not None and _split_by_fraction(config):
         # A file given as --data (nanoGPT's val.bin, say) is not read whole: as a run on it
         # would, the eval holds out its tail only.
@@ -372,7 +428,12 @@ def _evaluate(
     mesh = source_lib.make_mesh(config, overrides)
     plan = _eval_plan(config, mesh_lib.mesh_shape(mesh), source.meta)
     setup = build(config, plan, mesh)
-    params = source_lib.load_params(source, abstract_params(config), setup.state_shardings.params)
+    params = source_lib.load_params(
+        source,
+        abstract_params(config),
+        setup.state_shardings.params,
+        "evaluating them gives a NaN loss",
+    )
     return evaluate(setup, params, held_out, plan, examples)
 
 

@@ -45,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     sample = sub.add_parser(
         "sample",
         help="generate text from a run's checkpoint or a Hugging Face directory",
-        usage="%(prog)s SOURCE [key=value ...] (--prompt TEXT ... | --prompts FILE) [options]",
+        usage="%(prog)s SOURCE [key=value ...] [--prompt TEXT ...] [--prompts FILE] [options]",
+        description="Give one --prompt or more, a --prompts FILE, or both.",
     )
     source_lib.add_source(sample)
     sample.add_argument(
@@ -61,7 +62,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         type=common.int_at_least(1),
         metavar="N",
         help=f"tokens generated per sample at most (default {DEFAULT_NEW_TOKENS}, or fewer "
-        "where a model's learned positions end sooner: data.seq_len, prompt included)",
+        "where the model's context ends sooner, prompt included)",
+    )
+    sample.add_argument(
+        "--truncate-left",
+        action="store_true",
+        help="cut a prompt that leaves no room for the new tokens in the model's context on "
+        "the left (as lm-evaluation-harness does), instead of refusing it",
     )
     sample.add_argument(
         "--temperature",
@@ -101,6 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="one JSON object a sample: prompt, prompt_tokens, tokens, text, finish_reason",
     )
+    sample.add_argument("--no-progress", action="store_true", help="no progress bar")
     source_lib.add_options(sample)
     return sample
 
@@ -108,6 +116,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def read_prompts(opts: argparse.Namespace) -> list[str]:
     """--prompt's, then --prompts FILE's, in order; UsageError where there are none."""
     prompts = list(opts.prompt)
+    for prompt in prompts:
+        _check_text(prompt, f"--prompt {_typed(prompt)}")
     if opts.prompts is not None:
         path = pathlib.Path(opts.prompts)
         try:
@@ -130,6 +140,7 @@ def read_prompts(opts: argparse.Namespace) -> list[str]:
                     raise common.UsageError(
                         f'--prompts {path}: line {number} is not a JSON object {{"prompt": TEXT}}'
                     )
+                _check_text(prompt, f"--prompts {path}: line {number}'s prompt")
                 prompts.append(prompt)
         elif path.suffix == ".txt":
             prompts += [line for line in lines if line]
@@ -142,6 +153,30 @@ def read_prompts(opts: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def _typed(prompt: str) -> str:
+    """A prompt from the command line as the user typed it: bytes that are not UTF-8 as
+    Python's argv holds them (surrogate escapes) shown as the bytes they were."""
+    try:
+        return repr(prompt.encode("utf-8", "surrogateescape"))[1:]
+    except UnicodeEncodeError:
+        return repr(prompt)
+
+
+def _check_text(prompt: str, where: str) -> None:
+    """Refuses a prompt that is no UTF-8 text: bytes that do not decode (from the command
+    line), or a lone surrogate (a JSON escape such as "\\udcff"), which no tokenizer reads."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(prompt[err.start])
+        what = (
+            f"byte 0x{code - 0xDC00:02x}"
+            if 0xDC80 <= code <= 0xDCFF and where.startswith("--prompt ")
+            else f"a lone surrogate \\u{code:04x}"
+        )
+        raise common.UsageError(f"{where} is not UTF-8 text ({what}): give it as UTF-8") from None
+
+
 class Tokenizer:
     """Bytes, or a tokenizer.json; `bos_id` starts every prompt where the data's did."""
 
@@ -151,7 +186,13 @@ class Tokenizer:
         if path is not None:
             from tokenizers import Tokenizer as HfTokenizer
 
-            self._hf = HfTokenizer.from_file(str(path))
+            from jaxkit.tokenizer import TokenizerError
+
+            try:
+                self._hf = HfTokenizer.from_file(str(path))
+            except Exception as err:  # the library raises a bare Exception for a bad file
+                said = " ".join(str(err).split())
+                raise TokenizerError(f"{path}: not a tokenizer.json that loads: {said}") from None
 
     @property
     def name(self) -> str:
@@ -251,7 +292,9 @@ def run(
         source = source_lib.open_source(opts, load_config, ["data.source=synthetic"])
         tokenizer, eos_ids = source_tokenizer(source)
         ids = [tokenizer.encode(p) for p in prompts]
-        opts.max_new_tokens = _check_prompts(prompts, ids, source, tokenizer, opts.max_new_tokens)
+        opts.max_new_tokens, ids = _check_prompts(
+            prompts, ids, source, tokenizer, opts.max_new_tokens, opts.truncate_left
+        )
         samples = _generate(source, ids, opts, eos_ids)
     except (
         common.UsageError,
@@ -308,17 +351,29 @@ def _check_prompts(
     source: source_lib.Source,
     tokenizer: Tokenizer,
     asked: int | None,
-) -> int:
+    truncate_left: bool,
+) -> tuple[int, list[list[int]]]:
     """Refuses, before any work, what the model cannot generate from; returns the new
-    tokens to generate: those asked, or the default where the model's positions allow it
-    (else as many as they allow the longest prompt)."""
+    tokens to generate and the prompts' ids as the model reads them.
+
+    The new tokens are those asked, else the default where the model's context leaves
+    room for it after the longest prompt, else as many as it leaves (with `truncate_left`,
+    at least half the context). A prompt that leaves them no room is refused, or with
+    `truncate_left` keeps its last tokens."""
     config = source.config
     decoding = source.decoding("it generates no text")
+    context, why = source.context(decoding)
     vocab = int(config.model.vocab_size)
-    limit = decoding.max_positions
-    new = asked or DEFAULT_NEW_TOKENS
-    if asked is None and limit is not None:
-        new = max(1, min(new, limit - max(map(len, ids))))
+    longest = max(map(len, ids))
+    # What --truncate-left generates: a refusal offers it where it would generate that many.
+    cut_new = asked or min(DEFAULT_NEW_TOKENS, max(context - longest, context // 2))
+    new = cut_new if asked or truncate_left else max(1, min(DEFAULT_NEW_TOKENS, context - longest))
+    if new >= context:
+        raise common.UsageError(
+            f"--max-new-tokens {new}: the model's context is {context} positions ({why}), "
+            f"prompt included; give at most {context - 1}"
+        )
+    read: list[list[int]] = []
     for prompt, tokens in zip(prompts, ids, strict=True):
         if not tokens:
             raise common.UsageError(f"prompt {_said(prompt)} encodes to no token: give some text")
@@ -327,21 +382,37 @@ def _check_prompts(
                 f"prompt {_said(prompt)} encodes to id {max(tokens)} ({tokenizer.name}), "
                 f"beyond the model's vocabulary of {vocab}"
             )
-        if limit is not None and len(tokens) + new > limit:
-            room = limit - len(tokens)
+        room = context - len(tokens)
+        if new > room and truncate_left:
+            print(
+                f"note: prompt {_said(prompt)} is {len(tokens)} tokens: cut on the left to its "
+                f"last {context - new}, leaving {new} new tokens in the model's context of "
+                f"{context}",
+                file=sys.stderr,
+            )
+            tokens = tokens[len(tokens) - (context - new) :]
+        elif room < 1:
+            longer = "longer than" if room < 0 else "as long as"
+            raise common.UsageError(
+                f"prompt {_said(prompt)} is {len(tokens)} tokens, {longer} the model's context "
+                f"of {context} positions ({why}), new tokens included: give a shorter prompt, "
+                f"or --truncate-left to keep its last {context - cut_new}"
+            )
+        elif new > room:
             asking = f" and --max-new-tokens {new}" if asked is not None else ""
             raise common.UsageError(
-                f"prompt {_said(prompt)} is {len(tokens)} tokens{asking}: the model's learned "
-                f"positions end at data.seq_len={limit}, prompt included; "
-                + (f"give at most {room} new tokens" if room > 0 else "give a shorter prompt")
+                f"prompt {_said(prompt)} is {len(tokens)} tokens{asking}: the model's context "
+                f"is {context} positions ({why}), prompt included; give at most {room} new "
+                "tokens, or --truncate-left"
             )
+        read.append(tokens)
     if decoding.cache is None:
         print(
             f"note: {config.model.kind} is a model of your own with no key/value cache the "
             "kit knows: each new token recomputes the whole prefix",
             file=sys.stderr,
         )
-    return new
+    return new, read
 
 
 def _generate(
@@ -352,7 +423,9 @@ def _generate(
     config = source.config
     mesh = source_lib.make_mesh(config, opts.overrides)
     _, _, abstract, shardings = sampling.param_layout(config, mesh)
-    params = source_lib.load_params(source, abstract, shardings)
+    params = source_lib.load_params(
+        source, abstract, shardings, "sampling from them draws from NaN logits"
+    )
     sampler = sampling.Sampler(config, mesh, params)
     rows = [tokens for tokens in ids for _ in range(opts.num_samples)]
     settings = sampling.Settings(opts.temperature, opts.top_k, opts.top_p)
@@ -362,5 +435,6 @@ def _generate(
         settings=settings,
         seed=opts.seed,
         eos_ids=eos_ids,
+        progress=not opts.no_progress,
     )
     return samples

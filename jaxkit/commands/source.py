@@ -23,10 +23,12 @@ if TYPE_CHECKING:
 OVERRIDABLE = ("mesh.", "model.attention", "model.compute_dtype")
 HF_PREFIX = "hf:"
 HF_CONFIG = "llama_tiny"  # an hf:DIR runs under it, its shape from config.json
+HF_CONTEXT = 2048  # transformers' max_position_embeddings where config.json gives none
 
 
-def add_source(parser: argparse.ArgumentParser, hf_note: str = "") -> None:
-    """SOURCE and its overrides, the command's positionals."""
+def add_source(parser: argparse.ArgumentParser, hf_note: str = "", hf_keys: str = "") -> None:
+    """SOURCE and its overrides, the command's positionals; `hf_keys` says what else an
+    hf:DIR's overrides may set."""
     parser.add_argument(
         "source",
         type=common.directory,
@@ -39,7 +41,7 @@ def add_source(parser: argparse.ArgumentParser, hf_note: str = "") -> None:
         "overrides",
         nargs="*",
         metavar="key=value",
-        help="mesh.*, model.attention or model.compute_dtype only",
+        help=f"mesh.*, model.attention or model.compute_dtype only{hf_keys}",
     )
 
 
@@ -65,14 +67,17 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_overrides(overrides: Sequence[str], who: str) -> None:
-    """`who` ("a sample") names the command in the refusal."""
+def check_overrides(overrides: Sequence[str], who: str, also: Sequence[str] = ()) -> None:
+    """`who` ("a sample") names the command in the refusal; `also`, keys it may override
+    besides OVERRIDABLE's."""
+    allowed = (*OVERRIDABLE, *also)
     for item in overrides:
         key = item.split("=", 1)[0]
-        if "=" not in item or not (key.startswith("mesh.") or key in OVERRIDABLE):
+        if "=" not in item or not (key.startswith("mesh.") or key in allowed):
+            keys = ["mesh.*", *allowed[1:]]
             raise common.UsageError(
-                f"{item!r}: {who} may override mesh.*, model.attention and "
-                "model.compute_dtype only (key=value)"
+                f"{item!r}: {who} may override {', '.join(keys[:-1])} and {keys[-1]} only "
+                "(key=value)"
             )
 
 
@@ -100,6 +105,42 @@ class Source:
             )
         return decoding
 
+    def hf_config(self) -> dict:
+        """config.json of hf:DIR, or of the directory a run was fine-tuned from ({} for a
+        run of its own)."""
+        if self.hf_dir is not None:
+            from jaxkit.hf.load import read_hf_config
+
+            return dict(read_hf_config(self.hf_dir))
+        return dict((self.meta.get("hf_source") or {}).get("config") or {})
+
+    def context(self, decoding: Any) -> tuple[int, str]:
+        """The most positions the model takes, its input included (`decoding`'s contract),
+        and what sets it, as a refusal says it: learned positions end at data.seq_len; a
+        model from a Hugging Face directory takes config.json's max_position_embeddings;
+        else the run's rows, data.seq_len."""
+        if decoding.max_positions is not None:
+            n = decoding.max_positions
+            return n, f"its learned positions end at data.seq_len={n}"
+        hf = self.hf_config()
+        if self.hf_dir is not None or hf:
+            return hf_context(hf, self.where)
+        n = int(self.config.data.seq_len)
+        return n, f"the run's data.seq_len={n}"
+
+
+def hf_context(hf_config: dict, where: str) -> tuple[int, str]:
+    """(config.json's max_position_embeddings, what it is), HF_CONTEXT where it gives
+    none; `where` names the directory in the refusal of a value that is no length."""
+    n = hf_config.get("max_position_embeddings")
+    if n is None:
+        return HF_CONTEXT, "transformers' default, as config.json gives no max_position_embeddings"
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise common.UsageError(
+            f"{where}: config.json max_position_embeddings={json.dumps(n)}: must be an integer ≥ 1"
+        )
+    return n, f"config.json's max_position_embeddings={n}"
+
 
 def open_source(
     opts: argparse.Namespace,
@@ -120,6 +161,11 @@ def open_source(
         head = [HF_CONFIG, f"model.init_from={opts.source}", *hf_head]
         config = load_config([*head, *opts.overrides])
         return Source(config, f"hf:{directory}", {}, hf_dir=directory)
+    if not as_path(opts.source).is_dir():
+        what = (
+            "a file, not a run's workdir" if as_path(opts.source).exists() else "no such directory"
+        )
+        raise CheckpointError(f"{opts.source}: {what}")
     checkpoints = as_path(opts.source) / "checkpoints"
     steps = saved_steps(checkpoints)
     if not steps:
@@ -192,9 +238,10 @@ def make_mesh(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ja
     return mesh_lib.make_mesh(shape, devices)
 
 
-def load_params(source: Source, abstract: Any, shardings: Any) -> Any:
+def load_params(source: Source, abstract: Any, shardings: Any, outcome: str) -> Any:
     """The source's params placed as `shardings` says (a tree like `abstract`, the abstract
-    params): each device reads its own slices."""
+    params): each device reads its own slices. hf:DIR's weights that are not finite are
+    refused, `outcome` saying what the command would have made of them."""
     from jaxkit.checkpoint import restore_params
 
     if source.hf_dir is not None:
@@ -202,7 +249,7 @@ def load_params(source: Source, abstract: Any, shardings: Any) -> Any:
         from jaxkit.hf.load import load_params as load_hf
 
         params = load_hf(source.hf_dir, source.config.model, abstract, shardings)
-        check_finite(source.hf_dir, source.config.model, params)
+        check_finite(source.hf_dir, source.config.model, params, source.where, outcome)
         return params
     assert source.step is not None  # a workdir's source has its step
     return restore_params(source.checkpoints, source.step, shardings)[0]

@@ -433,10 +433,18 @@ def _by_path(m: ml_collections.ConfigDict) -> dict[tuple[str | int, ...], list[n
     return by_path
 
 
-def check_finite(directory: pathlib.Path, m: ml_collections.ConfigDict, params: Any) -> None:
+def check_finite(
+    directory: pathlib.Path,
+    m: ml_collections.ConfigDict,
+    params: Any,
+    where: str | None = None,
+    outcome: str = "training on them gives non-finite losses",
+) -> None:
     """Refuses params that hold a NaN or an infinity (a damaged file, or one saved from a
     diverged run), naming the first tensor that does: the model section `m`'s params, as
     loaded from `directory`, whatever their sharding and however many processes hold them.
+    `where` names the directory as the user gave it (default model.init_from=hf:DIR), and
+    `outcome` what the command would have made of such weights.
 
     One jitted pass over every param gives a flag per HF tensor (a scanned param's one per
     layer). The flags come out replicated: the compiled program all-reduces each param's
@@ -466,10 +474,10 @@ def check_finite(directory: pathlib.Path, m: ml_collections.ConfigDict, params: 
     order = [(path, i, t) for path, tensors in by_path.items() for i, t in enumerate(tensors)]
     path, layer, t = order[int(np.argmin(flags))]
     at = "/".join(map(str, path)) + (f"[{layer}]" if len(by_path[path]) > 1 else "")
+    where = where or f"model.init_from=hf:{directory}"
     raise ConfigError(
-        f"model.init_from=hf:{directory}: {t.name} (param {at}) holds NaN or infinite values "
-        "as loaded: the weights are damaged (or were saved from a run that diverged); "
-        "training on them gives non-finite losses"
+        f"{where}: {t.name} (param {at}) holds NaN or infinite values as loaded: the weights "
+        f"are damaged (or were saved from a run that diverged); {outcome}"
     )
 
 
