@@ -103,13 +103,19 @@ def test_the_harness_gets_the_models_log_probabilities_and_samples_greedy_text(
             assert greedy == expected_greedy
     assert any(len(d["arguments"][0][0]) > MAX_LENGTH for d in choice)
 
-    # Rolling: each text after the prefix token (a newline for byte text), one window where it
-    # fits in MAX_LENGTH.
-    for doc in results["samples"]["jaxkit_rolling"]:
-        text = doc["arguments"][0][0].encode()
-        if len(text) <= MAX_LENGTH:
-            expected, _ = score([10, *text], len(text))
-            assert float(doc["resps"][0][0]) == pytest.approx(expected, rel=RTOL)
+    # Rolling: each text after the prefix token (a newline for byte text), in windows of
+    # MAX_LENGTH targets, each read with the MAX_LENGTH tokens before its last target: the
+    # sum of them all.
+    rolling = results["samples"]["jaxkit_rolling"]
+    for doc in rolling:
+        row = [10, *doc["arguments"][0][0].encode()]
+        targets = len(row) - 1
+        expected = 0.0
+        for first in range(0, targets, MAX_LENGTH):
+            end = min(first + MAX_LENGTH, targets)  # the window's targets: row[first+1:end+1]
+            expected += score(row[max(0, end - MAX_LENGTH) : end + 1], end - first)[0]
+        assert float(doc["resps"][0][0]) == pytest.approx(expected, rel=RTOL)
+    assert any(len(d["arguments"][0][0]) > MAX_LENGTH for d in rolling)  # two windows
 
     # Generation: `jaxkit sample`'s greedy text from the context cut to MAX_LENGTH - NEW bytes
     # (10 of them), cut at the first stop string.
@@ -140,6 +146,57 @@ def test_the_harness_gets_the_models_log_probabilities_and_samples_greedy_text(
         f"jaxkit: error: a task asks for {MAX_LENGTH} new tokens (max_gen_toks): the model "
         f"takes {MAX_LENGTH} (max_length), context included"
     )
+
+
+def test_is_greedy_needs_every_continuation_token_to_be_the_most_probable(run):
+    """A continuation whose first token is its position's most probable and whose second
+    is not is not greedy; with the second the most probable too, it is."""
+    from jaxkit.lm_eval_model import JaxkitLM
+
+    lm = JaxkitLM(run)
+    log_p = _next_log_probs(run)
+    context = list(b"import os")
+    best = int(np.argmax(log_p(context)))
+    after = log_p([*context, best])
+    top, other = int(np.argmax(after)), int(np.argmin(after))
+    (first,), (both,), (mixed,) = (
+        lm.score_rows([(row, n)])
+        for row, n in (
+            ([*context, best], 1),
+            ([*context, best, top], 2),
+            ([*context, best, other], 2),
+        )
+    )
+    assert first[1] and both[1]
+    assert not mixed[1]
+    assert mixed[0] == pytest.approx(float(log_p(context)[best] + after[other]), rel=RTOL)
+
+
+def _next_log_probs(workdir: str):
+    """log p of the next byte after `ids`, by a plain forward pass on one device."""
+    config = load_config("lm_tiny")
+    apply_overrides(config, [*SMALL_LM, "mesh.data=1"])
+    graphdef, _ = _abstract_model(config)
+    params, _ = restore_params(f"{workdir}/checkpoints", 2)
+    forward = jax.jit(lambda p, x: jax.nn.log_softmax(nnx.merge(graphdef, p)(x), axis=-1))
+    return lambda ids: np.asarray(forward(params, jnp.asarray([ids], jnp.int32)))[0, -1]
+
+
+def test_the_harness_s_git_lookup_prints_nothing_outside_a_repository(
+    run, offline, tmp_path, monkeypatch, capfd
+):
+    """lm-evaluation-harness records the commit of the directory it runs in with `git
+    describe`: outside a repository git's "fatal: not a git repository" reached the
+    terminal (stderr's file descriptor, where no redirect of sys.stderr catches it)."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    yaml = (pathlib.Path(ROOT) / TASKS / "jaxkit_choice.yaml").read_text()
+    (tasks / "choice.yaml").write_text(yaml.replace("tests/", f"{ROOT}/tests/"))
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "no_repository"))
+    args = ("eval", run, "--tasks", "jaxkit_choice", "--include-path", str(tasks), "--limit", "1")
+    done = jaxkit(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "not a git repository" not in done.stderr + capfd.readouterr().err
 
 
 # Refusals come before any work: the SOURCE is never opened (there is none).

@@ -259,3 +259,33 @@ def test_sample_from_another_directory_encodes_and_decodes_with_the_run_s_tokeni
     # As `data prepare` encoded the documents: no special tokens added.
     assert line["prompt_tokens"] == tokenizer.encode(prompt, add_special_tokens=False).ids
     assert line["text"] == tokenizer.decode(line["tokens"], skip_special_tokens=False)
+
+
+def test_sample_refuses_a_run_whose_tokenizer_json_was_replaced(relative_run, model, tmp_path):
+    """The checkpoint's tokenizer_sha256 is held against the file the record names: the same
+    path holding another tokenizer (of the same vocabulary size) would turn the run's ids
+    into other text; the unchanged file samples."""
+    ours = prepared(model, "ours-sample", str(model / "hf" / "tokenizer.json"))
+    sha256 = json.loads((ours / "meta.json").read_text())["tokenizer_sha256"]
+    shutil.copytree(relative_run.directory / "run", tmp_path / "run")
+    shutil.copytree(model / "hf", tmp_path / "hf")
+    (path,) = (tmp_path / "run" / "checkpoints").glob("step_*/meta/metadata")
+    meta = json.loads(path.read_text())
+    meta["data"]["tokenizer"] = {
+        "tokenizer": str(tmp_path / "hf" / "tokenizer.json"),
+        "tokenizer_file": str(tmp_path / "hf" / "tokenizer.json"),
+        "tokenizer_sha256": sha256,
+    }
+    path.write_text(json.dumps(meta))
+    args = ["sample", str(tmp_path / "run"), "--prompt", CORPUS[0][:20], "--max-new-tokens", "2"]
+    done = jaxkit(*args, "--no-progress")
+    assert done.returncode == 0, done.stderr
+    shutil.copy(model / "other" / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")
+    done = jaxkit(*args)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        f"jaxkit: error: {tmp_path / 'hf' / 'tokenizer.json'} is not the tokenizer the run in "
+        f"{tmp_path / 'run'}'s data was prepared with (tokenizer_sha256 {sha256[:12]}... "
+        f"recorded, {done.stderr.split('recorded, ')[-1][:12]}... now)\n"
+    )
+    assert done.stderr.split("recorded, ")[-1][:12] != sha256[:12]
