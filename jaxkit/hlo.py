@@ -92,9 +92,10 @@ def _iota(dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
     return ids.transpose(perm) if perm else ids
 
 
+# XLA of jax 0.12 leaves `device_ids=(...)` out where the ids run in mesh order.
 _MESH_GROUPS = re.compile(
-    r"replica_groups=mesh\[([^\]]*)\],\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)"
-    r"\s*\{([^}]*)\}"
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}"
 )
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
@@ -110,7 +111,8 @@ def device_groups(line: str, num_devices: int) -> list[list[int]]:
         names = re.findall(r"'(\w+)'=", mesh.group(1))
         sizes = _ints(",".join(re.findall(r"=(\d+)", mesh.group(1))))
         perm = _ints(mesh.group(3)) if mesh.group(3) else None
-        ids = _iota(_ints(mesh.group(2)), perm).reshape(sizes)
+        laid = _ints(mesh.group(2)) if mesh.group(2) else [math.prod(sizes)]
+        ids = _iota(laid, perm).reshape(sizes)
         along = [names.index(n) for n in re.findall(r"'(\w+)'", mesh.group(4))]
         across = [i for i in range(len(sizes)) if i not in along]
         size = math.prod(sizes[i] for i in along)

@@ -46,6 +46,15 @@ SHAPE = {"data": 2, "fsdp": 2, "tensor": 2}
             "device_ids=([2,2,2]T(1,0,2)) {'axis_1'}, use",
             [[0, 2], [1, 3], [4, 6], [5, 7]],
         ),
+        # jax 0.12's XLA leaves the ids out where they run in mesh order: 4d + 2f + t.
+        (
+            "replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'data'}, use",
+            [[0, 4], [1, 5], [2, 6], [3, 7]],
+        ),
+        (
+            "replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'data','fsdp'}, use",
+            [[0, 2, 4, 6], [1, 3, 5, 7]],
+        ),
         ("source_target_pairs={{0,0},{1,2},{2,1},{3,3}}, meta", [[1, 2], [2, 1]]),
         ("replica_groups={}, use", [list(range(8))]),
     ],
