@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -16,13 +17,33 @@ import tempfile
 # CPU-s against 18.5-22.7 split (the default), with the same compiled memory. Every number
 # a test compares is computed under the same flags (subprocesses inherit them), so no
 # claim depends on the machine code.
+TEST_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",  # gone from XLA in jax 0.11 (its emitters stayed)
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+
+
+def _flags_xla_knows(flags: tuple[str, ...]) -> list[str]:
+    """The flags the installed XLA accepts. XLA ends the process on a flag it does not know
+    (a fatal log, "Unknown flag in XLA_FLAGS", no exception): every test process would die,
+    so each flag is tried first in a process of its own (about 0.7 s each, once a session)."""
+
+    def accepted(chosen: tuple[str, ...]) -> bool:
+        env = {**os.environ, "XLA_FLAGS": " ".join(chosen), "JAX_PLATFORMS": "cpu"}
+        probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
+        return subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0
+
+    if accepted(flags):
+        return list(flags)
+    return [flag for flag in flags if accepted((flag,))]
+
+
+# Tried once, in the controlling process; pytest-xdist's workers inherit the answer.
+if "JAXKIT_TEST_XLA_FLAGS" not in os.environ:
+    os.environ["JAXKIT_TEST_XLA_FLAGS"] = " ".join(_flags_xla_knows(TEST_XLA_FLAGS))
 os.environ["XLA_FLAGS"] = " ".join(
-    [
-        os.environ.get("XLA_FLAGS", ""),
-        "--xla_backend_optimization_level=0",
-        "--xla_cpu_use_fusion_emitters=false",
-        "--xla_cpu_parallel_codegen_split_count=1",
-    ]
+    [os.environ.get("XLA_FLAGS", ""), os.environ["JAXKIT_TEST_XLA_FLAGS"]]
 ).strip()
 
 import jax
