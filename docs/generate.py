@@ -101,7 +101,8 @@ Beyond each key's own limit: at most one mesh axis is -1; exactly one of `train.
 `train.examples`; `optimizer.reference_batch_size` with an `optimizer.lr_scaling` other than
 `none`; `model.d_model` divisible by `model.num_heads`, and (Llama) `model.num_heads` by
 `model.num_kv_heads`, with an even head width (rotary positions rotate pairs);
-`model.vocab_size` ≥ 256 for text (bytes), and above every id of token files;
+`model.vocab_size` ≥ 256 for text (bytes), and above every id of token files (null there:
+a prepared directory's own vocabulary);
 `data.rows=documents` and `data.document_mask` only for tokens (the mask for the built-in
 language models); digits with 64 features (and at least 10 classes for the MLP); a classifier
 of your own needs `model.num_classes` on synthetic rows; `train.profile_steps` START:END

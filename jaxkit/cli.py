@@ -186,10 +186,13 @@ def _main(argv: list[str] | None) -> int:
         return evaluate.run(opts, _load_config, _start_jax)
     from jaxkit.config import ConfigError
 
+    notes: list[str] = []  # values the config took from elsewhere, said before the plan
     try:
-        config = _load_config(opts.args, getattr(opts, "workdir", None))
+        config = _load_config(opts.args, getattr(opts, "workdir", None), notes)
     except ConfigError as err:
         return error(err)
+    for note in notes:  # stdout, unless that holds JSON alone
+        print(note, file=sys.stderr if getattr(opts, "json", False) else sys.stdout)
     target = getattr(opts, "target", None)
     if target is not None:
         from jaxkit.targets import TargetError, parse_target

@@ -366,7 +366,16 @@ def _check_ids(
                     f"{said}, model.init_from={init_from}'s: the data was prepared with another "
                     "tokenizer; prepare it with the model's own"
                 )
-            raise DataError(f"{said}: set model.vocab_size={facts['vocab_size']} (or more)")
+            made_with_bytes = facts.get("tokenizer") == "bytes"
+            raise DataError(
+                f"{said}: set model.vocab_size=null to take the files' vocabulary (or "
+                f"{facts['vocab_size']} or more)"
+                + (
+                    "; configs/lm_tiny_tokens.py is lm_tiny for such files"
+                    if made_with_bytes
+                    else ""
+                )
+            )
         return
     # Foreign files state no vocabulary: read their largest id once.
     ranges = [token_files.token_range(s.tokens) for s in (train, held_out)]

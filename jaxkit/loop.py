@@ -64,6 +64,7 @@ from jaxkit.resume import (
     saved_plan,
     starting_point,
 )
+from jaxkit.token_files import take_vocabulary
 from jaxkit.train_step import (
     Setup,
     TrainState,
@@ -107,6 +108,9 @@ def train(
     run's micro-steps in all (counted across resumes) reach it (for tests and notebooks).
     Another run on the same workdir meanwhile is refused (WorkdirInUseError) before any work.
     """
+    taken = take_vocabulary(config)  # model.vocab_size=null: the token files' (the CLI's: set)
+    if taken is not None:
+        echo(taken)
     validate(config)  # every value, before any work (the CLI has checked them already)
     wandb_log.check(config, workdir, echo)  # a W&B project without the package: refused here
     with _one_run(workdir, echo):  # a second run on the workdir is refused here, before any work

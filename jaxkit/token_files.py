@@ -405,6 +405,57 @@ def open_splits(
     )
 
 
+def take_vocabulary(config: Any) -> str | None:
+    """model.vocab_size=null with token files: the vocabulary their meta.json records (as
+    nanoGPT takes meta.pkl's; a mixture's largest), set in `config` before its values are
+    checked. Returns the line that says so; None where model.vocab_size is given (or the
+    config has none). Files that record no vocabulary (foreign .bin/.npy) are refused."""
+    from jaxkit.keys import ConfigError, show
+
+    model, data = config.get("model"), config.get("data")
+    if model is None or "vocab_size" not in model or model.vocab_size is not None:
+        return None
+    source = None if data is None else data.get("source")
+    if source != "tokens":
+        raise ConfigError(
+            "model.vocab_size=null takes the vocabulary of token files (data.source=tokens): "
+            f"with data.source={show(source)}, give a number"
+            + (" (at least 256: bytes)" if source == "text" else "")
+        )
+    from jaxkit import mixture
+
+    value = data.get("mixture")
+    value = value.to_dict() if hasattr(value, "to_dict") else value
+    sources = mixture.sources_of(value) if value else {}  # each source's path, checked
+    named = {f"data.mixture.{n}.path": fields["path"] for n, fields in sources.items()}
+    sizes = {}
+    for key, path in (named or {"data.path": data.get("path")}).items():
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(
+                f"model.vocab_size=null takes the vocabulary of the token files {key} names, "
+                f"and {key}={show(path)} names none"
+            )
+        try:
+            meta = None if _is_glob(path) else read_meta(path)
+            if meta is None:  # foreign files, or none there: said as opening them says it
+                open_splits(path, "uint16", 0.5, key)
+        except TokenFileError as e:
+            raise ConfigError(str(e)) from None
+        if meta is None or not isinstance(meta.get("vocab_size"), int):
+            raise ConfigError(
+                f"model.vocab_size=null takes the vocabulary a prepared directory's "
+                f"{fmt.META_NAME} records, and {key}={path!r} names token files without one "
+                "(`jaxkit data prepare` writes it): give model.vocab_size"
+            )
+        sizes[f"{key}={path}"] = meta["vocab_size"]
+    vocab = max(sizes.values())
+    model.vocab_size = vocab
+    return (
+        f"model.vocab_size={vocab}: the vocabulary of {', '.join(sizes)} ({fmt.META_NAME}), "
+        "as model.vocab_size=null asks"
+    )
+
+
 class IdRange(NamedTuple):
     """The ids of a stream, read once: their extremes, and the largest at even and at odd
     positions of the files (-1 where there is none)."""

@@ -614,3 +614,40 @@ def test_an_id_beyond_the_vocabulary_names_token_dtype_only_where_it_applies(tmp
         assert done.returncode == 2 and len(err) == 1, (name, done.returncode, err)
         assert "token id 300, not below model.vocab_size=257" in err[0], err[0]
         assert ("data.token_dtype" in err[0]) == names_dtype, err[0]
+
+
+def test_a_null_vocabulary_takes_a_mixtures_largest_and_refuses_files_that_record_none(tmp_path):
+    """model.vocab_size=null: a mixture's largest meta.json vocabulary, named source by
+    source; foreign files, which record none, a missing path and other sources are refused
+    naming what the user gave (the run's own test is test_token_run's)."""
+    docs = [([1], [2, 3])] * 20
+    write_prepared(tmp_path / "a", {"train": docs, "eval": docs[:4]}, vocab_size=300)
+    write_prepared(tmp_path / "b", {"train": docs, "eval": docs[:4]}, vocab_size=257)
+    np.array([1, 2, 3] * 100, dtype="<u2").tofile(tmp_path / "foreign.bin")
+    mix = {name: {"path": str(tmp_path / name), "weight": 1} for name in ("a", "b")}
+    config = lm_config("data.source=tokens", "data.mixture=" + json.dumps(mix),
+                       "model.vocab_size=null")  # fmt: skip
+    said = token_files.take_vocabulary(config)
+    assert config.model.vocab_size == 300
+    assert said == (
+        f"model.vocab_size=300: the vocabulary of data.mixture.a.path={tmp_path / 'a'}, "
+        f"data.mixture.b.path={tmp_path / 'b'} (meta.json), as model.vocab_size=null asks"
+    )
+    validate(config)
+    for overrides, refusal in [
+        (["data.source=text"], "with data.source='text', give a number (at least 256: bytes)"),
+        (
+            ["data.source=tokens", f"data.path={tmp_path / 'foreign.bin'}"],
+            f"data.path={str(tmp_path / 'foreign.bin')!r} names token files without one",
+        ),
+        (
+            ["data.source=tokens", f"data.path={tmp_path / 'gone'}"],
+            f"data.path={str(tmp_path / 'gone')!r} matches no token file",
+        ),
+    ]:
+        config = lm_config(*overrides, "model.vocab_size=null")
+        with pytest.raises(ConfigError) as e:
+            token_files.take_vocabulary(config)
+        assert refusal in str(e.value), e.value
+        assert config.model.vocab_size is None
+    assert token_files.take_vocabulary(lm_config("data.source=tokens")) is None  # 256 given

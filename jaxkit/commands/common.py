@@ -110,12 +110,16 @@ def split_args(args: list[str]) -> tuple[str, list[str]]:
     return DEFAULT_CONFIG, args
 
 
-def load_config(args: list[str], workdir: str | None = None) -> ml_collections.ConfigDict:
+def load_config(
+    args: list[str], workdir: str | None = None, notes: list[str] | None = None
+) -> ml_collections.ConfigDict:
     """CONFIG with its overrides applied and every value checked (before JAX starts).
-    `workdir`: train's, where a checkpoint there makes this a resume."""
+    `workdir`: train's, where a checkpoint there makes this a resume. `notes` gets a line
+    for each value taken from elsewhere (model.vocab_size=null: the token files')."""
     from jaxkit.config import apply_overrides
     from jaxkit.config import load_config as load_named
     from jaxkit.hf.load import apply_init_from
+    from jaxkit.token_files import take_vocabulary
     from jaxkit.validate import validate
 
     name, overrides = split_args(args)
@@ -126,6 +130,9 @@ def load_config(args: list[str], workdir: str | None = None) -> ml_collections.C
     # every override, a field of a dict against the same field of config.json's value
     apply_init_from(config, overrides, workdir)
     apply_overrides(config, held)  # on the dict config.json gave; still null: refused
+    taken = take_vocabulary(config)  # model.vocab_size=null: the token files' vocabulary
+    if taken is not None and notes is not None:
+        notes.append(taken)
     validate(config)
     return config
 

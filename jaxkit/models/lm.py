@@ -44,7 +44,8 @@ DATA_KEYS: tuple[Key, ...] = (
     EVAL_FRACTION,
 )
 _SIZES = {
-    "vocab_size": "the vocabulary (≥ 256 for text: bytes)",
+    "vocab_size": "the vocabulary (≥ 256 for text: bytes; null with token files: the one "
+    "their meta.json records)",
     "d_model": "the residual stream's width",
     "num_layers": "blocks",
     "num_heads": "attention heads (d_model / num_heads dimensions each)",
