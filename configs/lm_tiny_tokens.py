@@ -22,7 +22,7 @@ from jaxkit.config import load_config
 
 def get_config() -> ml_collections.ConfigDict:
     c = load_config(str(pathlib.Path(__file__).with_name("lm_tiny.py")))
-    c.model.vocab_size = 257  # the 256 bytes and the end-of-document token
+    c.model.vocab_size = 257  # the 256 bytes and the end of document (null: meta.json's)
     c.data.source = "tokens"
     c.data.path = "data/stdlib"  # the directory `data prepare --out` wrote
     c.data.rows = "windows"  # packed: no padding, every target scored

@@ -403,6 +403,7 @@ def stage_changes(saved: list[dict] | None, current: list[dict] | None, read: in
             f"on (examples 0-{read - 1:,})"
         )
         if now is None:
+            assert was is not None  # a start from one side or the other
             lines.append(f"{where}, is left out (saved: {_typed(was)}): give it again")
         elif was is None:
             lines.append(
@@ -441,7 +442,7 @@ def _moved(was: dict[str, Fraction], now: dict[str, Fraction]) -> str:
     def percent(share: Fraction | None, digits: int) -> str:
         return "none" if share is None else f"{float(share) * 100:.{digits}g}%"
 
-    parts = []
+    parts: list[str] = []
     for name in sorted(was.keys() | now.keys()):
         a, b = was.get(name), now.get(name)
         if a == b:

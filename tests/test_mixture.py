@@ -230,6 +230,15 @@ def test_a_resume_compares_the_stages_as_they_draw_rows(dirs):
         "0-64): code draws 50% of the rows (saved) -> 66.7%, web 50% -> 33.3% "
         "(saved: 64:web=1+code=1; now: 64:web=1+code=2)"
     ]
+    one = facts["whole"][:1]  # the first stage alone: the one from 64 left out, or new
+    where = "  data.mixture's stage from example 64, whose rows the saved run trained on"
+    assert mixture.stage_changes(facts["whole"], one, 65) == [
+        f"{where} (examples 0-64), is left out (saved: 64:web=1+code=1): give it again"
+    ]
+    assert mixture.stage_changes(one, facts["whole"], 100) == [
+        f"{where} (examples 0-99), is new (64:web=1+code=1): the saved run drew those rows "
+        "under the stage before it"
+    ]
     untyped = [{k: v for k, v in stage.items() if k != "typed"} for stage in facts["decimals"]]
     (line,) = mixture.stage_changes(untyped, changed_stages, 65)
     written = line.split("(saved: ", 1)[1].split(";", 1)[0]
