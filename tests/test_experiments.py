@@ -243,6 +243,29 @@ def test_a_ctrl_c_whose_exception_was_dropped_still_stops_the_experiment(tmp_pat
     assert printed == []
 
 
+def test_a_ctrl_c_dropped_during_the_last_drawing_still_stops_the_experiment(
+    tmp_path, monkeypatch
+):
+    """Every unit is done and the final drawing runs when the Ctrl-C comes, inside a
+    finalizer, so Python drops its exception: the experiment stops all the same (exit 130
+    from the command), with a report that says so, instead of returning as finished."""
+    report = common.Report(tmp_path, "units")
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: None)
+    drawings: list[int] = []
+
+    def render(r: common.Report) -> None:
+        drawings.append(1)
+        if len(drawings) == 1:  # the drawing after the last unit
+            _CollectedWithACtrlC()  # dropped at once
+        r.text("both units drawn")
+
+    with pytest.raises(experiments.Interrupted) as stop:
+        common.drive(report, [1, 2], lambda _: None, render, "units", echo=lambda _: None)
+    assert stop.value.signal_name == "SIGINT"
+    text = (tmp_path / "report.md").read_text()
+    assert "interrupted after 2 of 2 units" in text and "both units drawn" in text
+
+
 def test_a_ctrl_c_at_a_units_last_step_stops_the_experiment(tmp_path):
     sent = []
 
@@ -441,7 +464,7 @@ def test_memory_is_flat_in_accumulation_and_grows_with_the_batch(tmp_path):
     options = experiments.Options(max_per_device_batch=8, rss_points=1)
     report = experiments.run("memory", _digits(), tmp_path, options).read_text()
     parts = dict((r[0], r[1]) for r in _rows(report, "part"))
-    assert parts["MultiSteps accumulator (acc_grads)"] == parts["params"]
+    assert parts["MultiSteps accumulator (acc_grads), at K > 1"] == parts["params"]
     by_batch = _rows(report, "per_device_batch_size")
     assert [r[0] for r in by_batch] == ["1", "2", "4", "8"]
     sizes = [_kib(r[1]) for r in by_batch]
