@@ -243,9 +243,7 @@ def test_a_ctrl_c_whose_exception_was_dropped_still_stops_the_experiment(tmp_pat
     assert printed == []
 
 
-def test_a_ctrl_c_dropped_during_the_last_drawing_still_stops_the_experiment(
-    tmp_path, monkeypatch
-):
+def test_a_ctrl_c_dropped_during_the_last_drawing_still_stops_the_experiment(tmp_path, monkeypatch):
     """Every unit is done and the final drawing runs when the Ctrl-C comes, inside a
     finalizer, so Python drops its exception: the experiment stops all the same (exit 130
     from the command), with a report that says so, instead of returning as finished."""
