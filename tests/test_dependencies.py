@@ -58,3 +58,22 @@ def test_jax_extras_and_jaxlib_follow_jax_s_bounds():
     for requirement in jax_extras:
         assert requirement.specifier == core["jax"].specifier, requirement
     assert core["jaxlib"].specifier == core["jax"].specifier
+
+
+def _lower_bound(requirement: Requirement) -> Version:
+    (bound,) = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
+    return bound
+
+
+def test_ci_s_lowest_set_is_each_core_dependency_s_lower_bound():
+    """.ci/run runs the quick tests on the lowest versions the bounds admit: its constraints
+    name exactly those, so a raised lower bound cannot leave CI testing an older set."""
+    core, _ = _requirements()
+    pinned = {}
+    for line in (PYPROJECT.parent / ".ci" / "constraints-lowest.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            (spec,) = requirement.specifier
+            assert spec.operator == "==", line
+            pinned[requirement.name] = Version(spec.version)
+    assert pinned == {name: _lower_bound(core[name]) for name in CORE}
