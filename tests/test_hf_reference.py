@@ -283,7 +283,7 @@ def test_splits_and_exact_normalisation_hold_from_a_loaded_checkpoint(monkeypatc
     devices x two micro-batches of 8, started with model.init_from=hf:DIR, train what one
     device does on the whole weighted global batch of 32 from the params from_hf reads."""
     import test_equivalence
-    from test_equivalence import LOSS_RTOL, PARAM_ATOL, max_param_diff, reference_run
+    from test_equivalence import LOSS_RTOL, assert_adam_params_match, reference_run
     from test_llama import TINY
     from token_dirs import padded_prompt_completion
 
@@ -304,4 +304,4 @@ def test_splits_and_exact_normalisation_hold_from_a_loaded_checkpoint(monkeypatc
     losses, _, final = test_equivalence.run_splits("llama_tiny", [(2, 8, 2)], overrides)[2, 8, 2]
     # The losses from the first step on: the run did start from the checkpoint.
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
-    assert max_param_diff(final, trajectory[-1]) < PARAM_ATOL
+    assert_adam_params_match(final, trajectory[-1], config)
