@@ -303,10 +303,42 @@ def test_tpu_fused_step_of_one_micro_step_runs_the_model_once():
     assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.01)
 
 
+class _ReportedMemory:
+    """What compiled.memory_analysis() gives, as the TPU compiler fills it in."""
+
+    def __init__(self, temp: int, peak: int):
+        self.argument_size_in_bytes, self.output_size_in_bytes = 1000, 900
+        self.alias_size_in_bytes = 800  # the donated state: 1,100 bytes held
+        self.temp_size_in_bytes, self.peak_memory_in_bytes = temp, peak
+
+
+class _Compiled:
+    def __init__(self, memory: _ReportedMemory):
+        self.memory = memory
+
+    def memory_analysis(self) -> _ReportedMemory:
+        return self.memory
+
+    def cost_analysis(self) -> dict[str, float]:
+        return {"flops": 1.0}
+
+
+def test_a_step_reported_with_no_temporaries_is_held_at_the_compiler_s_peak():
+    """libtpu as jax 0.10 pins it reports 0 bytes of temporaries for some steps (below)
+    next to a peak above the state: the peak stands in, so such a step is not planned as
+    holding its state alone. Where temporaries are reported, they count as they are."""
+    none_reported = costs.cost_of(_Compiled(_ReportedMemory(0, 5000)), 1, 0.0, 0.0)
+    assert none_reported.memory_bytes == 5000
+    reported = costs.cost_of(_Compiled(_ReportedMemory(3000, 5000)), 1, 0.0, 0.0)
+    assert reported.memory_bytes == 1100 + 3000
+
+
 def test_tpu_fused_full_remat_step_counts_its_temporaries():
-    """For this program the TPU compiler reports 0 bytes of temporaries next to a peak above
-    the state: the peak stands in, so the step is not planned as holding its state alone.
-    (One block at half llama_tiny's widths is such a program, as two blocks are.)"""
+    """For this program the TPU compiler of jax 0.10's libtpu reports 0 bytes of
+    temporaries next to a peak above the state; jax 0.12's (libtpu 0.0.50.1) reports 4.6 MB
+    of them (more than its own peak of 1.35 MB: docs/contributing.md#jax-012). Either way
+    the step is not planned as holding its state alone. (One block at half llama_tiny's
+    widths is such a program, as two blocks are.)"""
     from jaxkit import mesh as mesh_lib
     from jaxkit.targets import parse_target, target_devices
     from jaxkit.train_step import build
@@ -330,8 +362,11 @@ def test_tpu_fused_full_remat_step_counts_its_temporaries():
     compiled, cost = costs.compile_setup_step(split, plan, build(split, plan, mesh))
     reported = compiled.memory_analysis()
     state = cost.argument_bytes + cost.output_bytes - cost.alias_bytes
-    assert reported.temp_size_in_bytes == 0 < state < reported.peak_memory_in_bytes
-    assert cost.memory_bytes == reported.peak_memory_in_bytes
+    assert 0 < state < reported.peak_memory_in_bytes
+    if reported.temp_size_in_bytes == 0:
+        assert cost.memory_bytes == reported.peak_memory_in_bytes
+    else:
+        assert cost.memory_bytes == state + reported.temp_size_in_bytes
 
 
 def plan_shape(plan):
