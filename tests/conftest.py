@@ -19,13 +19,14 @@ import tempfile
 # claim depends on the machine code.
 TEST_XLA_FLAGS = (
     "--xla_backend_optimization_level=0",
-    "--xla_cpu_use_fusion_emitters=false",  # gone from XLA in jax 0.11 (its emitters stayed)
+    "--xla_cpu_use_fusion_emitters=false",  # gone from jax 0.12's XLA (only the new emitters)
     "--xla_cpu_parallel_codegen_split_count=1",
     # XLA 0.12 hands dots and the elementwise ops fused into them to YNNPACK where a
     # program's shapes suit it, which rounds each op to bfloat16 where XLA's own emitters
     # round a fused chain once: the one-device bfloat16 llama's gradients moved 2.6% from
     # float32 (0.8% without), so splits compared across programs differed by 3.7% in their
-    # gradient norms by step 5 (docs/contributing.md#jax-012). Unknown to jax 0.10's XLA.
+    # gradient norms by step 5 (docs/contributing.md#jax-012). jax 0.10's XLA knows the flag
+    # too; there it moves only which float32 elements tip (test_equivalence.ROUNDOFF_ELEMENTS).
     "--xla_cpu_experimental_ynn_fusion_type=",
 )
 
