@@ -53,10 +53,25 @@ class Run(list):
         self.port_holder = port_holder
 
 
+# The kit's own bounds on joining and on a silent peer (jaxkit/distributed.py) for every run
+# whose test is not about them: with 30 s and 20 s, a process of a two-process run aborted
+# (SIGABRT) once on a machine loaded about three times over (two test workers and two other
+# jobs on 2 cores). The tests about them shorten them themselves.
+TIMEOUTS = {"JAXKIT_JOIN_TIMEOUT_S": "120", "JAXKIT_HEARTBEAT_TIMEOUT_S": "60"}
+
+
+def assert_all_exit_0(results):
+    """Each process's status, and the end of the output of each that failed, whole (a
+    list's repr in an assertion is cut in the middle, where the reason is)."""
+    failed = [
+        f"process {i} exited {rc}:\n{out[-4000:]}" for i, (rc, out) in enumerate(results) if rc
+    ]
+    assert not failed, "\n\n".join(failed)
+
+
 def start(workdir, run=RUN, processes=1, per_process_extra=None, ids=None, **env_vars):
     """Starts `jaxkit train` as processes `ids` (default all) of a `processes`-process run."""
-    timeouts = {"JAXKIT_JOIN_TIMEOUT_S": "30", "JAXKIT_HEARTBEAT_TIMEOUT_S": "20"}
-    env = {**os.environ, "PYTHONPATH": ROOT, **timeouts, **env_vars}
+    env = {**os.environ, "PYTHONPATH": ROOT, **TIMEOUTS, **env_vars}
     port_holder = reserve_port() if processes > 1 else None
     port = port_holder.getsockname()[1] if port_holder else None
     procs = []
@@ -161,7 +176,7 @@ def test_two_processes_train_like_one_and_resume_across_process_counts(tmp_path)
     ((rc, out),) = launch_here(one)
     assert rc == 0, out
     results = launch(two, processes=2)
-    assert all(rc == 0 for rc, _ in results), results
+    assert_all_exit_0(results)
     assert "step      6" in results[0][1] and "step      6" not in results[1][1]  # one voice
     # Process 1 prints nothing of its own (not its join, nor the workdir): only the lines of
     # the Gloo library under JAX's CPU collectives, which every process prints, interleaved.
@@ -176,7 +191,7 @@ def test_two_processes_train_like_one_and_resume_across_process_counts(tmp_path)
         shutil.copytree(source, moved)
         shutil.rmtree(moved / "checkpoints" / "step_6")  # as if it had stopped after step 3
         results = launch(moved, processes=processes) if processes > 1 else launch_here(moved)
-        assert all(rc == 0 for rc, _ in results), results
+        assert_all_exit_0(results)
         assert "resuming from" in results[0][1] and "optimizer step 3" in results[0][1]
         assert_same_run(one, moved)
 
@@ -236,13 +251,14 @@ def test_sigterm_to_one_process_saves_the_same_step_everywhere(tmp_path):
     wait_for_records(tmp_path, 2, procs[0])
     procs[0].send_signal(signal.SIGTERM)  # a preemption notice reaches one host
     results = finish(procs, timeout=120)
-    assert [rc for rc, _ in results] == [0, 0], results
+    assert len(results) == 2
+    assert_all_exit_0(results)
     outs = [out for _, out in results]
     saved = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "checkpoints").iterdir())
     assert len(saved) == 1 and 0 < saved[0] < steps  # one checkpoint, the same for both
     assert f"saved checkpoint step_{saved[0]} at optimizer step {saved[0]}" in outs[0]
     results = launch(tmp_path, args, processes=2)  # and the pair resumes it
-    assert all(rc == 0 for rc, _ in results), results
+    assert_all_exit_0(results)
     assert records(tmp_path)[-1]["step"] == steps
 
 
