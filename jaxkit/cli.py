@@ -94,7 +94,7 @@ def _start_jax(host_devices: int | None, cpu_only: bool = False, cache: bool = T
 
     if host_devices is not None or cpu_only:
         jax.config.update("jax_platforms", "cpu")
-    elif not jax.config.jax_platforms and (platforms := platforms_to_start()):  # type: ignore[attr-defined]
+    elif not jax.config.jax_platforms and (platforms := platforms_to_start()):  # type: ignore[attr-defined,unused-ignore]
         jax.config.update("jax_platforms", platforms)  # no TPU here: libtpu stays unstarted
     jax.config.update("jax_num_cpu_devices", host_devices or DEFAULT_HOST_DEVICES)
     compile_cache.enable(cache and not cpu_only)

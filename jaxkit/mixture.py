@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
@@ -225,7 +226,7 @@ class _Quota:
     _WINDOW = 4096
 
     def __init__(self, weights: Sequence[Fraction]) -> None:
-        self.denominator = int(np.lcm.reduce([w.denominator for w in weights]))
+        self.denominator = math.lcm(*(w.denominator for w in weights))
         self.numerators = np.array(
             [w.numerator * (self.denominator // w.denominator) for w in weights], dtype=object
         )
@@ -429,9 +430,9 @@ def _typed(stage: dict) -> str:
     if stage.get("typed"):
         return str(stage["typed"])
     shares = _shares(stage)
-    scale = int(np.lcm.reduce([s.denominator for s in shares.values()]))
+    scale = math.lcm(*(s.denominator for s in shares.values()))
     whole = {name: s.numerator * (scale // s.denominator) for name, s in shares.items()}
-    common = int(np.gcd.reduce(list(whole.values())))
+    common = math.gcd(*whole.values())
     return f"{stage['start']}:" + "+".join(f"{n}={w // common}" for n, w in whole.items())
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxkit import loop as loop_lib
 from jaxkit import costs, loop_pieces, noise_scale
+from jaxkit import loop as loop_lib
 from jaxkit.batch_schedule import plan_from_config
 from jaxkit.checkpoint import Checkpointer, CheckpointError, abstract_state, empty_accumulator
 from jaxkit.config import apply_overrides, load_config

@@ -207,7 +207,7 @@ def relative_difference(diff: np.ndarray, ref: np.ndarray) -> float | None:
     """Max of diff / |ref| step by step, over the scored steps whose reference loss is not
     0 (nothing to be relative to); None if none."""
     scored = np.isfinite(ref) & np.isfinite(diff) & (np.abs(ref) > 0)
-    return float((diff[scored] / np.abs(ref[scored])).max()) if scored.any() else None
+    return float(np.max(diff[scored] / np.abs(ref[scored]))) if scored.any() else None
 
 
 def markdown_table(header: Sequence[object], rows: Sequence[Sequence[object]]) -> str:
