@@ -26,8 +26,9 @@ A context longer than the model takes is cut on the left, as the harness's own H
 Face model does: `max_length` tokens for a score (the continuation kept whole), `max_length
 - max_gen_toks` before a generation. `max_length` is the model's context as `jaxkit sample`
 takes it (jaxkit/commands/source.py `Source.context`): the learned positions' end
-(data.seq_len) for the byte LM, config.json's `max_position_embeddings` for hf:DIR (or a
-run fine-tuned from one), else the run's data.seq_len.
+(data.seq_len) for the byte LM, config.json's `max_position_embeddings` for hf:DIR, the
+larger of that of the directory it started from and data.seq_len for a run fine-tuned from
+one, else the run's data.seq_len.
 """
 
 from __future__ import annotations

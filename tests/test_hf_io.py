@@ -431,6 +431,40 @@ def test_a_float16_export_loads_back_as_written(tmp_path):
     assert not (tmp_path / "f16c").exists()
 
 
+def test_a_run_fine_tuned_past_its_sources_context_takes_its_rows_everywhere(tmp_path):
+    """A run on data.seq_len=16 from a config.json of max_position_embeddings=8: its
+    context is 16 for `sample` (which held it to 8) and in its export's config.json (which
+    wrote 8), and the exported directory takes 16 as hf:OUT."""
+    write_hf(tmp_path / "hf", small_config().model)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 8}))
+    config = small_config(f"model.init_from=hf:{tmp_path / 'hf'}")
+    hf_load.apply_init_from(config)
+    source = hf_load.source_record(tmp_path / "hf", config.model)
+    save_untouched(config, tmp_path / "run", source=source)
+    why = (
+        "the run's data.seq_len=16, longer than the max_position_embeddings=8 of the "
+        "config.json it was fine-tuned from"
+    )
+    over = ["--prompt", "ab", "--max-new-tokens", "16"]
+    refused("sample", str(tmp_path / "run"), *over, says=[f"context is 16 positions ({why})"])
+    code, _, err = run_cli("export", str(tmp_path / "run"), "--hf", str(tmp_path / "out"))
+    assert code == 0, err
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written == cfg | {"max_position_embeddings": 16}
+    why = "config.json's max_position_embeddings=16"
+    refused("sample", f"hf:{tmp_path / 'out'}", *over, says=[f"context is 16 positions ({why})"])
+    # A source's context longer than the rows stays the context, and its config.json as was.
+    source["config"]["max_position_embeddings"] = 24
+    save_untouched(config, tmp_path / "longer", source=source)
+    why = "the max_position_embeddings=24 of the config.json it was fine-tuned from"
+    over = ["--prompt", "ab", "--max-new-tokens", "24"]
+    refused("sample", str(tmp_path / "longer"), *over, says=[f"context is 24 positions ({why})"])
+    code, _, err = run_cli("export", str(tmp_path / "longer"), "--hf", str(tmp_path / "o24"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "o24" / "config.json").read_text()) == source["config"]
+
+
 def test_a_tied_run_exports_as_a_tied_llama_and_loads_back(tmp_path):
     """A run from random weights with a tied head, exported through the CLI: config.json says
     tie_word_embeddings: true (as transformers reads it), no lm_head is written, and each

@@ -116,17 +116,34 @@ class Source:
 
     def context(self, decoding: Any) -> tuple[int, str]:
         """The most positions the model takes, its input included (`decoding`'s contract),
-        and what sets it, as a refusal says it: learned positions end at data.seq_len; a
-        model from a Hugging Face directory takes config.json's max_position_embeddings;
-        else the run's rows, data.seq_len."""
+        and what sets it, as a refusal says it: learned positions end at data.seq_len;
+        hf:DIR takes config.json's max_position_embeddings; a run, `run_context`'s."""
         if decoding.max_positions is not None:
             n = decoding.max_positions
             return n, f"its learned positions end at data.seq_len={n}"
-        hf = self.hf_config()
-        if self.hf_dir is not None or hf:
-            return hf_context(hf, self.where)
-        n = int(self.config.data.seq_len)
-        return n, f"the run's data.seq_len={n}"
+        if self.hf_dir is not None:
+            return hf_context(self.hf_config(), self.where)
+        return run_context(int(self.config.data.seq_len), self.hf_config(), self.where)
+
+
+def run_context(seq_len: int, started_from: dict, where: str) -> tuple[int, str]:
+    """A run's context with a rotary model (no position table to end) and what sets it:
+    the rows it trained on (data.seq_len), or, where longer, the max_position_embeddings
+    of the config.json it was fine-tuned from (`started_from`; {} for a run of its own).
+    `sample`, `eval` and the lm-eval model take this one, and `export` writes it as a
+    fine-tuned run's max_position_embeddings."""
+    if not started_from:
+        return seq_len, f"the run's data.seq_len={seq_len}"
+    n, _ = hf_context(started_from, f"{where}'s model.init_from")
+    if started_from.get("max_position_embeddings") is None:
+        started = (
+            f"transformers' default of {n} (the config.json it was fine-tuned from gives none)"
+        )
+    else:
+        started = f"the max_position_embeddings={n} of the config.json it was fine-tuned from"
+    if n >= seq_len:
+        return n, started
+    return seq_len, f"the run's data.seq_len={seq_len}, longer than {started}"
 
 
 def hf_context(hf_config: dict, where: str) -> tuple[int, str]:

@@ -7,7 +7,9 @@ device, renamed and transposed to HF's layout (names.to_hf) and written in the a
 dtype. A run started from model.init_from=hf:DIR recorded at its start what it needs of
 DIR (hf/load.py's source_record, in every checkpoint's record), so DIR need not be there:
 by default each tensor is written in the dtype the source stored it in, and config.json is
-the source's with only what the run's model keys change (names.carried_config). A model
+the source's with only what the run's model keys change (names.carried_config), and its
+max_position_embeddings the run's context (data.seq_len where the run trained on longer
+rows: commands/source.py's run_context, as `jaxkit sample` takes it). A model
 loaded from bfloat16 weights into float32 params and exported untouched gives the source
 back, bit for bit. Other runs write model.param_dtype and a config.json of their model keys,
 with the token ids of their data's meta.json (eod_id as eos_token_id, a --bos id as
@@ -93,7 +95,13 @@ def export_hf(
     del hf
     seq_len = int(config.data.seq_len)
     if source is not None:
+        from jaxkit.commands.source import HF_CONTEXT, run_context
+
         cfg = names.carried_config(source["config"], m, seq_len=seq_len, torch_dtype=dtype)
+        # Fine-tuned on rows longer than the source's context: the run's context is theirs.
+        context, _ = run_context(seq_len, source["config"], f"the run in {workdir}")
+        if context != cfg.get("max_position_embeddings", HF_CONTEXT):
+            cfg["max_position_embeddings"] = context
     else:
         cfg = names.hf_config_from_model(
             m, torch_dtype=dtype, max_position_embeddings=max(2048, seq_len)
