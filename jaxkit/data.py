@@ -204,10 +204,7 @@ def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
         fingerprint = token_files.fingerprint(train, held_out, facts)
         notes = [warning] if warning else []
         if facts.get("layout") == "nanogpt":
-            notes.append(
-                f"data: {d.path} is in nanoGPT's layout: training on train.bin, holding out "
-                "val.bin (data.eval_fraction does not apply)"
-            )
+            notes.append(nanogpt_note(d.path))
         note = "\n".join(notes) or None
         tokenizer = tokenizer_lib.record(facts)
         return (
@@ -216,6 +213,14 @@ def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
         )
     except token_files.TokenFileError as e:
         raise DataError(str(e)) from None
+
+
+def nanogpt_note(path: str) -> str:
+    """What a run on `path`, token files in nanoGPT's layout, is told of its splits."""
+    return (
+        f"data: {path} is in nanoGPT's layout: training on train.bin, holding out val.bin "
+        "(data.eval_fraction does not apply)"
+    )
 
 
 def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:

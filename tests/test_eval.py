@@ -110,6 +110,21 @@ def test_eval_of_a_file_given_as_data_says_only_its_tail_is_held_out(run, tmp_pa
     ]
 
 
+def test_eval_of_a_nanogpt_directory_says_it_evaluates_val_bin(tmp_path):
+    """Given nanoGPT's directory, an eval reads val.bin whole and says so (it said
+    "training on train.bin", as a run on it is told)."""
+    rng = np.random.default_rng(0)
+    rng.integers(0, 48, 500).astype(np.uint16).tofile(tmp_path / "train.bin")
+    rng.integers(0, 48, 200).astype(np.uint16).tofile(tmp_path / "val.bin")
+    path, _ = _hf_dir(tmp_path / "model", 48)
+    done = jaxkit("eval", f"hf:{path}", "--data", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["eval_examples"] == (200 - 1) // 64  # rows of its context
+    assert done.stderr.splitlines() == [
+        f"data: --data {tmp_path} is in nanoGPT's layout: its held-out val.bin is evaluated"
+    ]
+
+
 def _hf_dir(tmp_path, vocab_size: int):
     hf_config = {"model_type": "llama", **HF_SHAPE, "vocab_size": vocab_size}
     path = write_hf_dir(tmp_path / "hf", hf_config, random_tensors(jaxkit_config(hf_config), 4))
@@ -160,6 +175,7 @@ def test_eval_refuses_what_it_cannot_evaluate_in_one_line(run, tmp_path):
     data = tmp_path / "data"
     padded_prompt_completion(data)  # bytes, prepared: ids up to 256 (the end of a document)
     small, _ = _hf_dir(tmp_path / "small", 48)
+    no_tokenizer, _ = _hf_dir(tmp_path / "big", 512)
     with_tokenizer, _ = _hf_dir(tmp_path / "tok", 300)
     WordLevelTokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(
         str(with_tokenizer / "tokenizer.json")
@@ -180,6 +196,15 @@ def test_eval_refuses_what_it_cannot_evaluate_in_one_line(run, tmp_path):
         (workdir, "model.d_model=64"): "model.d_model=64",
         (str(tmp_path),): "holds no checkpoint",
         (f"hf:{small}",): "give --data PATH",
+        (f"hf:{no_tokenizer}", "--data", str(data)): (
+            f"hf:{no_tokenizer} has no tokenizer.json, and its vocabulary of 512 is not bytes "
+            "(257 or 256): add the tokenizer.json the model was trained with"
+        ),
+        (f"hf:{tmp_path / 'none'}", "--data", str(data)): (
+            f"error: hf:{tmp_path / 'none'}: no such directory"
+        ),
+        (f"hf:{data}", "--data", str(data)): f"error: hf:{data}: no config.json: not a Hugging",
+        (f"hf:{workdir}", "--data", str(data)): "a jaxkit run's workdir: give it without hf:",
         (f"hf:{small}", "--data", str(data)): "257-token vocabulary, above model.vocab_size=48",
         (f"hf:{with_tokenizer}", "--data", str(data)): f"--data {data} was prepared with "
         "--tokenizer bytes",
@@ -195,6 +220,7 @@ def test_eval_refuses_what_it_cannot_evaluate_in_one_line(run, tmp_path):
         done = jaxkit("eval", *args)
         assert done.returncode == 2 and done.stdout == "", args
         assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
+        assert "model.init_from" not in done.stderr  # SOURCE is named as typed
     # argparse's usage errors: its usage line, then the error.
     for args, said in (
         ((), "the following arguments are required: SOURCE"),

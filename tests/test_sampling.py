@@ -370,6 +370,52 @@ def test_sample_takes_an_hf_dirs_context_from_max_position_embeddings(tmp_path):
     ), done.stderr
 
 
+def test_an_hf_source_is_refused_as_typed(trained_run, tmp_path):
+    """SOURCE hf:DIR is named as the user typed it (loading it said model.init_from=hf:DIR,
+    the key train takes): a file, a run's workdir and an empty --prompts file are said as
+    what they are."""
+    (tmp_path / "file.txt").write_text("x\n")
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text("{}")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    cases = {
+        ("hf:",): "SOURCE 'hf:' names no directory: give hf:DIR",
+        (f"hf:{tmp_path / 'none'}",): (
+            f"hf:{tmp_path / 'none'}: no such directory (nothing is downloaded: fetch it first)"
+        ),
+        (f"hf:{tmp_path / 'file.txt'}",): f"hf:{tmp_path / 'file.txt'}: a file, not a directory",
+        (f"hf:{trained_run}",): f"hf:{trained_run}: a jaxkit run's workdir: give it without hf:",
+        (f"hf:{tmp_path / 'bare'}",): f"hf:{tmp_path / 'bare'} holds no *.safetensors weights",
+        (trained_run, "--prompts", str(tmp_path / "empty.txt")): (
+            f"--prompts {tmp_path / 'empty.txt'} holds no prompt, only blank lines or none"
+        ),
+    }
+    for args, said in cases.items():
+        done = jaxkit("sample", *args, *([] if "--prompts" in args else ["--prompt", "x"]))
+        assert done.returncode == 2 and done.stdout == "", args
+        assert done.stderr.startswith("jaxkit: error: ") and said in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and "model.init_from" not in done.stderr
+
+
+def test_an_hf_dir_without_a_tokenizer_samples_bytes_only(tmp_path):
+    """No tokenizer.json: a vocabulary of bytes (257 or fewer) reads prompts as bytes; a
+    larger one is refused, its ids being some tokenizer's (printed as U+FFFD before)."""
+    hf_config = {"model_type": "llama", **HF_SHAPE, "vocab_size": 512}
+    path = write_hf_dir(tmp_path / "hf", hf_config, random_tensors(jaxkit_config(hf_config), 3))
+    done = jaxkit("sample", f"hf:{path}", "--prompt", "import", "--max-new-tokens", "2")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        f"jaxkit: error: hf:{path} has no tokenizer.json, and its vocabulary of 512 is not "
+        f"bytes (257 or 256): add the tokenizer.json the model was trained with to {path}\n"
+    )
+    hf_config["vocab_size"] = 257  # the 256 bytes and an end of document: bytes it is
+    path = write_hf_dir(tmp_path / "bytes", hf_config, random_tensors(jaxkit_config(hf_config), 3))
+    args = ["--prompt", "import", "--max-new-tokens", "2", "--json", "--no-progress"]
+    done = jaxkit("sample", f"hf:{path}", *args)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["prompt_tokens"] == list(b"import")
+
+
 def test_the_usage_line_shows_that_prompt_and_prompts_go_together():
     done = jaxkit("sample", "--help")
     assert done.returncode == 0

@@ -144,6 +144,7 @@ def run(
         source = source_lib.open_source(opts, load_config, hf_data if hf else [])
         if hf:
             _check_hf_rows(source)
+            source.hf_tokenizer()  # refuses ids that are no bytes and no tokenizer's
         examples = source.config.train.eval_examples if opts.examples is None else opts.examples
         held_out = _held_out(source, opts.data, examples)
         result = _evaluate(source, held_out, examples, opts.overrides)
@@ -156,7 +157,8 @@ def run(
         MeshError,
         TokenizerError,
     ) as err:
-        return common.error(common.UsageError(_as_typed(str(err), opts.data)))
+        said = source_lib.as_typed(_as_typed(str(err), opts.data), opts.source)
+        return common.error(common.UsageError(said))
     print(_report(result, source, isinstance(held_out, TokenWindows), opts.json))
     return 0
 
@@ -168,7 +170,7 @@ def _hf_rows(source: str) -> list[str]:
 
     if not source.startswith(source_lib.HF_PREFIX):
         return []
-    directory = pathlib.Path(source[len(source_lib.HF_PREFIX) :])
+    directory = source_lib.hf_directory(source)
     context, _ = source_lib.hf_context(read_hf_config(directory), source)
     return [f"data.seq_len={context}"]
 
@@ -239,7 +241,7 @@ def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bo
         MeshError,
         TokenizerError,
     ) as err:
-        return common.error(err)
+        return common.error(common.UsageError(source_lib.as_typed(str(err), opts.source)))
     assert results is not None  # a single process: the harness returns to rank 0
     from lm_eval.utils import handle_non_serializable, make_table
 
@@ -368,7 +370,7 @@ def _held_out(source: source_lib.Source, path: str | None, examples: int) -> dat
     data_lib.check_eval_weight(held_out, examples)
     note = getattr(train, "note", None)  # how token files were read, where it matters
     if note:
-        print(_as_typed(note, path), file=sys.stderr)
+        print(_eval_note(note, str(config.data.path), path), file=sys.stderr)
     if path is not None and _split_by_fraction(config):
         # A file given as --data (nanoGPT's val.bin, say) is not read whole: as a run on it
         # would, the eval holds out its tail only.
@@ -379,6 +381,19 @@ def _held_out(source: source_lib.Source, path: str | None, examples: int) -> dat
             file=sys.stderr,
         )
     return held_out
+
+
+def _eval_note(note: str, data_path: str, given: str | None) -> str:
+    """The data layer's note on how it read `data_path` (--data `given`, named as typed), as
+    an eval's: a run on nanoGPT's layout is told it trains on train.bin; an eval trains
+    nothing, and says what it evaluates."""
+    from jaxkit import data as data_lib
+
+    named = f"--data {given}" if given is not None else data_path
+    said = f"data: {named} is in nanoGPT's layout: its held-out val.bin is evaluated"
+    nanogpt = data_lib.nanogpt_note(data_path)
+    lines = note.splitlines()
+    return "\n".join(said if line == nanogpt else _as_typed(line, given) for line in lines)
 
 
 def _split_by_fraction(config: Any) -> bool:

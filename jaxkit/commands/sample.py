@@ -148,6 +148,11 @@ def read_prompts(opts: argparse.Namespace) -> list[str]:
             raise common.UsageError(
                 f'--prompts {path}: a .jsonl of {{"prompt": ...}} or a .txt of one prompt a line'
             )
+    if not prompts and opts.prompts is not None:
+        raise common.UsageError(
+            f"--prompts {opts.prompts} holds no prompt, only blank lines or none: give one a "
+            "line, or --prompt TEXT"
+        )
     if not prompts:
         raise common.UsageError("no prompt: give --prompt TEXT or --prompts FILE")
     return prompts
@@ -303,7 +308,7 @@ def run(
         MeshError,
         TokenizerError,
     ) as err:
-        return common.error(err)
+        return common.error(common.UsageError(source_lib.as_typed(str(err), opts.source)))
     for i, sample in enumerate(samples):
         prompt = prompts[i // opts.num_samples]
         text = tokenizer.decode(sample.tokens, after=sample.prompt_tokens)
@@ -323,12 +328,11 @@ def run(
 
 def source_tokenizer(source: source_lib.Source) -> tuple[Tokenizer, list[int]]:
     """The source's tokenizer, and the ids that end a sample."""
-    from jaxkit import tokenizer as tokenizer_lib
     from jaxkit.hf.load import read_hf_config
 
     if source.hf_dir is not None:
         hf_config = read_hf_config(source.hf_dir)
-        tokenizer_json = tokenizer_lib.model_tokenizer(source.hf_dir)
+        tokenizer_json = source.hf_tokenizer()
         # The directory's own convention: its tokenizer adds what it adds (a BOS).
         return Tokenizer(tokenizer_json, special=True), _eos_list(hf_config.get("eos_token_id"))
     meta = source.meta

@@ -105,6 +105,24 @@ class Source:
             )
         return decoding
 
+    def hf_tokenizer(self) -> pathlib.Path | None:
+        """hf:DIR's tokenizer.json, or None for a byte-level model (a vocabulary of 257 or
+        fewer) without one. A larger vocabulary without one is refused: its ids are not
+        bytes, and no file says what text they are."""
+        from jaxkit import tokenizer as tokenizer_lib
+        from jaxkit.token_format import BYTES_VOCAB_SIZE
+
+        assert self.hf_dir is not None  # a workdir's tokenizer is its data's
+        path = tokenizer_lib.model_tokenizer(self.hf_dir)
+        vocab = int(self.config.model.vocab_size)
+        if path is None and vocab > BYTES_VOCAB_SIZE:
+            raise common.UsageError(
+                f"{self.where} has no {tokenizer_lib.TOKENIZER_JSON}, and its vocabulary of "
+                f"{vocab} is not bytes (257 or 256): add the {tokenizer_lib.TOKENIZER_JSON} the "
+                f"model was trained with to {self.hf_dir}"
+            )
+        return path
+
     def hf_config(self) -> dict:
         """config.json of hf:DIR, or of the directory a run was fine-tuned from ({} for a
         run of its own)."""
@@ -159,6 +177,36 @@ def hf_context(hf_config: dict, where: str) -> tuple[int, str]:
     return n, f"config.json's max_position_embeddings={n}"
 
 
+def hf_directory(typed: str) -> pathlib.Path:
+    """hf:DIR's directory; refused, named as typed, where it is none: nothing after hf:,
+    nothing there, a file, or a jaxkit run's workdir (given as hf:DIR by mistake)."""
+    text = typed[len(HF_PREFIX) :]
+    if not text:
+        raise common.UsageError(
+            f"SOURCE {typed!r} names no directory: give hf:DIR, a local Hugging Face model "
+            "directory (config.json and *.safetensors), or a run's workdir"
+        )
+    directory = pathlib.Path(text).expanduser()
+    if not directory.exists():
+        raise common.UsageError(
+            f"{typed}: no such directory (nothing is downloaded: fetch it first)"
+        )
+    if not directory.is_dir():
+        raise common.UsageError(f"{typed}: a file, not a directory")
+    if (directory / "checkpoints").is_dir() and not any(directory.glob("*.safetensors")):
+        raise common.UsageError(f"{typed}: a jaxkit run's workdir: give it without hf:")
+    return directory
+
+
+def as_typed(message: str, typed: str) -> str:
+    """A refusal of hf:DIR as the user typed SOURCE: loading it names it
+    model.init_from=hf:DIR, the key `jaxkit train` takes it as."""
+    if not typed.startswith(HF_PREFIX):
+        return message
+    directory = pathlib.Path(typed[len(HF_PREFIX) :]).expanduser()
+    return message.replace(f"model.init_from=hf:{directory}", typed)
+
+
 def open_source(
     opts: argparse.Namespace,
     load_config: Callable[[list[str]], ml_collections.ConfigDict],
@@ -174,10 +222,10 @@ def open_source(
     if opts.source.startswith(HF_PREFIX):
         if opts.step is not None:
             raise common.UsageError("--step applies to a run's workdir, not to hf:DIR")
-        directory = pathlib.Path(opts.source[len(HF_PREFIX) :])
+        directory = hf_directory(opts.source)
         head = [HF_CONFIG, f"model.init_from={opts.source}", *hf_head]
         config = load_config([*head, *opts.overrides])
-        return Source(config, f"hf:{directory}", {}, hf_dir=directory)
+        return Source(config, opts.source, {}, hf_dir=directory)
     if not as_path(opts.source).is_dir():
         what = (
             "a file, not a run's workdir" if as_path(opts.source).exists() else "no such directory"
