@@ -57,7 +57,15 @@ class Run(list):
 # whose test is not about them: with 30 s and 20 s, a process of a two-process run aborted
 # (SIGABRT) once on a machine loaded about three times over (two test workers and two other
 # jobs on 2 cores). The tests about them shorten them themselves.
-TIMEOUTS = {"JAXKIT_JOIN_TIMEOUT_S": "120", "JAXKIT_HEARTBEAT_TIMEOUT_S": "60"}
+# With them, the same run still aborted under coverage on a loaded machine, one process
+# gone (SIGABRT) while its peer had just connected its CPU collectives (gloo): a peer slow
+# to reach the first collective must be waited for, so XLA's bound on a CPU collective is
+# raised as well (a flag both jax 0.10's and 0.12's XLA know).
+TIMEOUTS = {
+    "JAXKIT_JOIN_TIMEOUT_S": "120",
+    "JAXKIT_HEARTBEAT_TIMEOUT_S": "60",
+    "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_timeout_seconds=600",
+}
 
 
 def assert_all_exit_0(results):
