@@ -15,6 +15,12 @@ boundary state is the saved one with the accumulator emptied. A resume that cann
 the accumulation (another K, another micro-batch size, fused mode) restarts that step from
 its first micro-batch, which is exact.
 
+A state holds MultiSteps' accumulator only where the run needs one between calls (MultiSteps
+mode at K > 1; optimizer.holds_accumulator). A checkpoint is read back in the layout it was
+written in and then fitted to the run's: at a step boundary the accumulator holds zeros, so
+a run that keeps one gets zeros, and a run that keeps none drops it (a half-filled one is
+first emptied by the restart above, which such a run always needs).
+
 Saves are asynchronous; orbax writes each into a temporary directory and renames it when
 complete, so a crash or `kill -9` at any moment leaves either a whole checkpoint or a
 temporary one that is ignored and cleaned up, never loaded.
@@ -44,7 +50,7 @@ from jaxkit.batch_plan import Accumulation
 from jaxkit.batch_schedule import Position
 from jaxkit.config import ADDED_DEFAULTS, flatten, resumable
 from jaxkit.mixture import stage_changes
-from jaxkit.train_step import abstract_params, abstract_state
+from jaxkit.train_step import abstract_params, abstract_state, accumulator_layout
 from jaxkit.workdir import absolute, missing_gcs_support
 
 # checkpoints/step_N: N optimizer steps done. Older workdirs hold checkpoints/M, M micro-steps.
@@ -261,8 +267,12 @@ class Checkpointer:
         return _read_meta(self.manager, step)
 
     def restore(self, step: int, abstract_state: Any) -> Any:
-        """The state saved at optimizer step `step`, placed as `abstract_state` says."""
-        return _restore(self.manager, step, abstract_state)
+        """The state saved at optimizer step `step`, placed as `abstract_state` says, with
+        an accumulator where the checkpoint holds one (see `fitted`)."""
+        saved = self.manager.item_metadata(step)["state"]
+        return _restore(
+            self.manager, step, accumulator_layout(abstract_state, _holds_accumulator(saved))
+        )
 
     def micro_step_numbered(self) -> ocp.CheckpointManager | None:
         """The checkpoints of a workdir written under the micro-step numbering, if any."""
@@ -292,9 +302,10 @@ class Checkpointer:
                 self._set_aside(manager, step, err)
                 continue
             check(meta)
-            self._check_shapes(name, saved, abstract_state)
+            wanted = accumulator_layout(abstract_state, _holds_accumulator(saved))
+            self._check_shapes(name, saved, wanted)
             try:
-                state = _restore(manager, step, abstract_state)
+                state = _restore(manager, step, wanted)
             except Exception as err:  # a torn or corrupted checkpoint
                 self._set_aside(manager, step, err)
                 continue
@@ -360,6 +371,33 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _holds_accumulator(saved: Any) -> bool:
+    """Whether a checkpoint's state (its metadata tree) holds MultiSteps' accumulator."""
+    paths = jax.tree_util.tree_flatten_with_path(saved)[0]
+    return any(_names(path)[:2] == ("opt_state", "acc_grads") for path, _ in paths)
+
+
+def fitted(state: Any, position: Position, setup: Any) -> Any:
+    """A restored state in the layout of `setup`'s: an accumulator of zeros added where
+    the run keeps one and the checkpoint had none; one dropped where the run keeps none,
+    only at a step boundary, where it holds zeros (a half-step is emptied before this)."""
+    ms, wanted = state.opt_state, setup.state_shardings.opt_state.acc_grads
+    if (ms.acc_grads is None) == (wanted is None):
+        return state
+    if wanted is None:
+        if position.micro:
+            raise CheckpointError(
+                f"the checkpoint holds {position.micro} micro-steps of optimizer step "
+                f"{position.step + 1}, which a run of one call per step cannot continue"
+            )
+        return state.replace(opt_state=ms._replace(acc_grads=None))
+    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), state.params)
+    zeros = jax.jit(
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=wanted
+    )()
+    return state.replace(opt_state=ms._replace(acc_grads=zeros))
 
 
 def _read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
@@ -544,6 +582,7 @@ def resume(
     position, plan = position_of(meta), plan_at(meta)
     _echo_resumed(checkpointer, meta, position, plan, echo)
     state, position, redone = _restart_half_step(state, position, meta["plan"], plan, setup, echo)
+    state = fitted(state, position, setup)
     return Restored(position=position, state=state, meta=meta, redone_micro_steps=redone)
 
 
@@ -698,6 +737,6 @@ def empty_accumulator(state: Any) -> Any:
     ms = state.opt_state
     opt_state = ms._replace(
         mini_step=jnp.zeros_like(ms.mini_step),
-        acc_grads=jax.tree.map(jnp.zeros_like, ms.acc_grads),
+        acc_grads=jax.tree.map(jnp.zeros_like, ms.acc_grads),  # None stays None
     )
     return state.replace(opt_state=opt_state)

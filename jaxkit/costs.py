@@ -102,6 +102,9 @@ class StepCost:
     hardware_flops_per_call: float = 0.0
     trace_s: float = 0.0  # tracing and lowering: the part of compile_s no cache skips
     compile_cache_hit: bool | None = None  # the program came from a cache (None: no cache)
+    # The train state one device holds between steps (params, the optimizer's moments and
+    # counters, MultiSteps' accumulator where the run keeps one): part of argument_bytes.
+    state_bytes: int = 0
 
     @property
     def memory_bytes(self) -> int:
@@ -131,6 +134,7 @@ class StepCost:
     def to_json(self) -> dict:
         return {
             "memory_bytes": self.memory_bytes,
+            "state_bytes": self.state_bytes,
             "argument_bytes": self.argument_bytes,
             "output_bytes": self.output_bytes,
             "alias_bytes": self.alias_bytes,
@@ -234,14 +238,16 @@ def _compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
     return compiled, events.hit
 
 
-def _with_flop_counts(
+def _with_counts(
     cost: StepCost, config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup, hlo: str
 ) -> StepCost:
+    """`cost` with the figures the setup gives: FLOP counts per call and the state's bytes."""
     # The fused program is a whole optimizer step; its trips were counted.
     calls = plan.grad_accum_steps if setup.accumulation is Accumulation.FUSED else 1
     devices = setup.batch_sharding.mesh.size
     return dataclasses.replace(
         cost,
+        state_bytes=mesh_lib.bytes_per_device(abstract_state(setup)),
         model_flops_per_call=model_flops_per_example(config) * plan.micro_batch_size / devices,
         hardware_flops_per_call=hardware_flops(hlo) / calls,
     )
@@ -263,7 +269,7 @@ def compile_setup_step(
     cost = cost_of(compiled, plan.grad_accum_steps, update, seconds)
     hit = hit and compile_cache.in_use()
     cost = dataclasses.replace(cost, trace_s=trace_s, compile_cache_hit=hit)
-    return compiled, _with_flop_counts(cost, config, plan, setup, compiled.as_text() or "")
+    return compiled, _with_counts(cost, config, plan, setup, compiled.as_text() or "")
 
 
 def _described(devices: Sequence[jax.Device]) -> bool:
@@ -296,7 +302,7 @@ def _target_step_cost(
             compile_cache.write_plan(key, {"out_of_memory": str(err)})
             raise
         cost = cost_of(compiled, plan.grad_accum_steps, 0.0, 0.0)
-        cost = _with_flop_counts(cost, config, plan, setup, compiled.as_text() or "")
+        cost = _with_counts(cost, config, plan, setup, compiled.as_text() or "")
         entry = {name: getattr(cost, name) for name in _COMPILED_FIELDS}
         compile_cache.write_plan(key, entry)
     if "out_of_memory" in entry:
@@ -313,7 +319,7 @@ def _target_step_cost(
         trace_s=trace_s,
         compile_cache_hit=hit,
     )
-    cost = _with_flop_counts(cost, config, plan, setup, "")
+    cost = _with_counts(cost, config, plan, setup, "")
     return dataclasses.replace(
         cost, hardware_flops_per_call=float(entry["hardware_flops_per_call"])
     )

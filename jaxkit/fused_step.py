@@ -9,9 +9,10 @@ compiler: params, gradients and the accumulator keep the params' sharding (the g
 reduce-scattered over "fsdp" at each micro-step, so the accumulator is sharded, as
 MaxText's default), and the tensor axis splits the work as it does in MultiSteps mode. The
 loss, the model and the inner optimizer are the ones the MultiSteps step uses, and the
-state keeps MultiSteps' layout, so checkpoints move between the modes at optimizer-step
-boundaries. The micro-batch gradients are summed in that state's own accumulator, which
-holds zeros at every boundary and is donated: no second params-sized buffer.
+state keeps MultiSteps' layout without its accumulator (optimizer.OneCallSteps: every call
+is a whole step), so checkpoints move between the modes at optimizer-step boundaries. The
+micro-batch gradients are summed in a buffer of the step's own, which lives only while the
+step runs: between steps the state holds params and the optimizer's moments alone.
 
 A step in which any micro-batch is non-finite is skipped as a whole: the devices only learn
 of it after the local sums, when a micro-batch can no longer be taken out. Params and the
@@ -32,7 +33,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxkit.models import model_loss
-from jaxkit.optimizer import Hyper, float32, make_optimizer
+from jaxkit.optimizer import Hyper, OneCallSteps, float32, make_optimizer
 
 
 def fused_train_step(
@@ -46,7 +47,7 @@ def fused_train_step(
 ) -> tuple[Any, dict[str, jax.Array]]:
     """One optimizer step on a (K, micro_batch, ...) batch: local scan, one psum."""
     accum_steps = jax.tree.leaves(batch)[0].shape[0]  # K is in the batch's shape here
-    tx = make_optimizer(config, hyper)
+    tx = make_optimizer(config, hyper, accumulator=False)
 
     groups = mesh.shape["data"]
 
@@ -93,13 +94,11 @@ def fused_train_step(
         # global batch's gradient and loss.
         return jax.lax.psum(accumulate(params, acc_grads, batch_KxB), "data")
 
-    # The sums start from the state's accumulator, not from fresh zeros: it holds zeros at
-    # every optimizer-step boundary (MultiSteps empties it at a step's last micro-batch, this
-    # step below, a resume into this mode a half-filled one), and the state is donated, so
-    # XLA sums in that buffer instead of a second params-sized one.
-    ms = state.opt_state
+    # The sums' buffer, the step's own: it lives while the step runs (K = 1 needs none),
+    # where MultiSteps mode keeps one in the state between calls.
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     if groups == 1:  # no data groups to reduce over (XLA rejects a 1-way one)
-        grads, loss, bad = accumulate(state.params, ms.acc_grads, batch)
+        grads, loss, bad = accumulate(state.params, zeros, batch)
     else:
         # Manual over "data" only: fsdp and tensor stay with the compiler, which keeps
         # params, gradients and the accumulator sharded as the params are.
@@ -109,14 +108,14 @@ def fused_train_step(
             in_specs=(P(), P(), P(None, "data")),
             out_specs=(P(), P(), P()),
             axis_names={"data"},
-        )(state.params, ms.acc_grads, batch)
+        )(state.params, zeros, batch)
 
     return _applied(state, tx, grads, loss, bad, accum_steps)
 
 
 def _applied(
     state: Any,
-    tx: optax.MultiSteps,
+    tx: OneCallSteps,
     grads: Any,
     loss: jax.Array,
     bad: jax.Array,
@@ -142,8 +141,7 @@ def _applied(
         mini_step=ms.mini_step,
         gradient_step=ms.gradient_step + 1,  # a skipped step still counts, as the data moved on
         inner_opt_state=keep(inner, ms.inner_opt_state),
-        # K = 1 never wrote to the accumulator: its zeros stay.
-        acc_grads=ms.acc_grads if accum_steps == 1 else jax.tree.map(_emptied, grads),
+        acc_grads=None,  # the sums lived in the step alone
         skip_state=ms.skip_state,
     )
     new_state = state.replace(
@@ -158,15 +156,3 @@ def _applied(
         "grad_norm": inner[0].grad_norm,  # not finite for a skipped step; not logged then
     }
     return new_state, metrics
-
-
-def _emptied(grad_sum: jax.Array) -> jax.Array:
-    """Zeros, as MultiSteps leaves its accumulator after a step, made from the gradient sum.
-
-    A constant would be zeros too, but XLA could not order writing it into the donated
-    accumulator after the update's last read of the sum made there, and keeps the two apart
-    with a copy of the accumulator (one params-sized buffer more). Made from the sum, the
-    zeros are written over it once it is read. |g| · 0 is +0.0 for every finite g; the
-    `where` gives zeros for a skipped step's non-finite sums too.
-    """
-    return jnp.where(jnp.isfinite(grad_sum), jnp.abs(grad_sum) * 0.0, 0.0)

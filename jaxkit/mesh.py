@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -130,4 +131,13 @@ def named_shardings(mesh: Mesh, specs: Any) -> Any:
     """PartitionSpecs → NamedShardings on `mesh`, for a whole tree."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes of one device's shard of each array in a tree: arrays, or abstract arrays that
+    carry their sharding (jax.ShapeDtypeStruct), as the compiler would lay them out."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
     )

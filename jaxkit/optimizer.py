@@ -3,6 +3,11 @@
 K (micro-steps per optimizer step) and the learning rate are not baked into the optimizer:
 they arrive with each call as a `Hyper`, so a batch schedule that changes K between optimizer
 steps runs one compiled step, and the rate follows a curve laid over examples on the host.
+
+The accumulator is held only where a step's micro-batches arrive in several calls (MultiSteps
+mode at K > 1 somewhere in the run): at K = 1, and in fused mode (which sums inside its one
+call), every call is a whole optimizer step and the state keeps MultiSteps' layout with
+`acc_grads` None (`OneCallSteps`), one params-sized float32 buffer less between steps.
 """
 
 from __future__ import annotations
@@ -52,8 +57,11 @@ def float32(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
 
-def make_optimizer(config: ml_collections.ConfigDict, hyper: Hyper) -> optax.MultiSteps:
-    """MultiSteps(K) around (record norm, clip, adamw | sgd), K and the rate from `hyper`.
+def make_optimizer(
+    config: ml_collections.ConfigDict, hyper: Hyper, accumulator: bool = True
+) -> optax.MultiSteps | OneCallSteps:
+    """MultiSteps(K) around (record norm, clip, adamw | sgd), K and the rate from `hyper`;
+    without `accumulator`, OneCallSteps around the same chain (every call one step).
 
     Built inside the traced step, so K and the rate are arguments of one compiled program
     (the batch schedule changes them without a recompile). The rate is a schedule that
@@ -78,7 +86,44 @@ def make_optimizer(config: ml_collections.ConfigDict, hyper: Hyper) -> optax.Mul
         raise ConfigError(f"optimizer.name={o.name!r} is not one of adamw, sgd")
     clip = optax.clip_by_global_norm(o.grad_clip_norm) if o.grad_clip_norm > 0 else optax.identity()
     inner = optax.chain(record_grad_norm(), clip, inner)
+    if not accumulator:
+        return OneCallSteps(inner)
     return optax.MultiSteps(inner, every_k_schedule=lambda _: hyper.grad_accum_steps)
+
+
+def holds_accumulator(fused: bool, largest_grad_accum_steps: int) -> bool:
+    """Whether the train state carries an accumulator between calls: only MultiSteps mode
+    does, and only where some step of the run takes more than one call. A run whose K
+    changes keeps it at every K (one compiled program, as before), K = 1 included."""
+    return not fused and largest_grad_accum_steps > 1
+
+
+class OneCallSteps:
+    """MultiSteps at K = 1 without its accumulator: every call applies the inner optimizer.
+
+    The state is MultiSteps' (`gradient_step` the optimizer steps, `mini_step` 0) with
+    `acc_grads` None, so the step count, the inner state and the checkpoints' layout are
+    those of the MultiSteps state, less the buffer that holds zeros at every boundary.
+    The update is what MultiSteps applies at K = 1 (the mean of one gradient is itself).
+    """
+
+    def __init__(self, inner: optax.GradientTransformation):
+        self.inner_opt = inner
+
+    def init(self, params: Any) -> optax.MultiStepsState:
+        return optax.MultiStepsState(
+            mini_step=jnp.zeros([], jnp.int32),
+            gradient_step=jnp.zeros([], jnp.int32),
+            inner_opt_state=self.inner_opt.init(params),
+            acc_grads=None,
+            skip_state=(),
+        )
+
+    def update(
+        self, updates: Any, state: optax.MultiStepsState, params: Any = None
+    ) -> tuple[Any, optax.MultiStepsState]:
+        updates, inner = self.inner_opt.update(updates, state.inner_opt_state, params)
+        return updates, state._replace(gradient_step=state.gradient_step + 1, inner_opt_state=inner)
 
 
 class GradNormState(NamedTuple):

@@ -28,13 +28,23 @@ from jaxkit.batch_plan import Accumulation, BatchPlan
 from jaxkit.batch_schedule import BatchSchedule, fixed_schedule
 from jaxkit.fused_step import fused_train_step
 from jaxkit.models import build_model, check_mesh_divides, contract, eval_sums, model_loss
-from jaxkit.optimizer import Hyper, applied_grad_norm, float32, hyper_for, make_optimizer
+from jaxkit.optimizer import (
+    Hyper,
+    OneCallSteps,
+    applied_grad_norm,
+    float32,
+    holds_accumulator,
+    hyper_for,
+    make_optimizer,
+)
 
 
 @struct.dataclass
 class TrainState:
     params: Any  # nested dict of arrays, laid out as mesh.RULES say
-    opt_state: optax.MultiStepsState  # accumulator, counters and the inner optimizer state
+    # Counters, the inner optimizer state and the accumulator (acc_grads: None where every
+    # call is a whole optimizer step, optimizer.holds_accumulator).
+    opt_state: optax.MultiStepsState
     micro_step: Any  # int32 scalar: micro-batches consumed (a spec in layout trees)
 
     @property
@@ -79,7 +89,9 @@ class Setup:
     """What the loop, the benchmarks and the tests need to run steps on a mesh."""
 
     graphdef: nnx.GraphDef
-    tx: optax.MultiSteps  # laid out as the step's; K and the rate are the step's arguments
+    # Laid out as the step's; K and the rate are the step's arguments. OneCallSteps where
+    # the state holds no accumulator.
+    tx: optax.MultiSteps | OneCallSteps
     schedule: BatchSchedule  # the plan and learning rate of every optimizer step
     state_shardings: TrainState
     batch_sharding: jax.sharding.NamedSharding  # a micro-batch: rows over the batch axes
@@ -95,8 +107,21 @@ class Setup:
     small_batch_grad_sq: Callable[[Any, dict[str, jax.Array]], jax.Array]
     small_batch_sharding: jax.sharding.NamedSharding
 
+    @property
+    def holds_accumulator(self) -> bool:
+        """Whether the state carries MultiSteps' accumulator between calls."""
+        return isinstance(self.tx, optax.MultiSteps)
+
     def hyper(self, plan: BatchPlan, examples: int = 0) -> Hyper:
         """K and the rate of the optimizer step under `plan` that starts at `examples`."""
+        if plan.grad_accum_steps > 1 and not (
+            self.holds_accumulator or self.accumulation is Accumulation.FUSED
+        ):
+            # Each call would apply a step of its own: a setup built for another schedule.
+            raise ValueError(
+                f"this step was built for one call per optimizer step; the plan has "
+                f"grad_accum_steps={plan.grad_accum_steps}: build it with that plan's schedule"
+            )
         return hyper_for(self.schedule, plan, examples)
 
 
@@ -120,7 +145,11 @@ def build(
     (the first stage of `schedule`, which defaults to `plan` for the whole run)."""
     config = with_kernel(config, list(mesh.devices.flat))  # auto: the mesh's kernel
     schedule = schedule or fixed_schedule(config, plan)
-    tx = make_optimizer(config, hyper_for(schedule, plan, 0))
+    accumulation = Accumulation(config.train.accumulation)  # config.check_values checked it
+    accumulator = holds_accumulator(
+        accumulation is Accumulation.FUSED, schedule.largest.grad_accum_steps
+    )
+    tx = make_optimizer(config, hyper_for(schedule, plan, 0), accumulator)
     graphdef, abstract_params = _abstract_model(config)
     # A param without a partitioning annotation gets P(): replicated (custom_model.py).
     param_specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
@@ -146,7 +175,6 @@ def build(
 
     # Shardings are fixed here, at the jit boundary: state as RULES say, rows over the
     # batch axes, metrics replicated. The state is donated: its buffers are reused in place.
-    accumulation = Accumulation(config.train.accumulation)  # config.check_values checked it
     fused_batch_sharding = NamedSharding(mesh, P(None, mesh_lib.BATCH_AXES))
     if accumulation is Accumulation.FUSED:
         step_fn = functools.partial(fused_train_step, graphdef=graphdef, config=config, mesh=mesh)
@@ -205,6 +233,21 @@ def abstract_state(setup: Setup) -> TrainState:
     )
 
 
+def accumulator_layout(abstract: Any, held: bool) -> Any:
+    """`abstract` (a state's shapes and target shardings) with MultiSteps' accumulator, laid
+    out as the params and in float32 as MultiSteps keeps it, or without one (None)."""
+    ms = abstract.opt_state
+    if held == (ms.acc_grads is not None):
+        return abstract
+    acc = None
+    if held:
+        acc = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding),
+            abstract.params,
+        )
+    return abstract.replace(opt_state=ms._replace(acc_grads=acc))
+
+
 def _on_one_device(fn: Callable, *trees: Any) -> Any:
     """`fn` of fully replicated arrays, run on the first device this process holds, on
     that device's copies (no transfer)."""
@@ -242,7 +285,8 @@ def train_step(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One micro-step: gradient of the micro-batch's share of its step's loss (its weighted
     loss × K / the global batch's weight), fed to MultiSteps, whose mean over the K
-    micro-steps is then the gradient of Σ weight × loss / Σ weight over the global batch.
+    micro-steps is then the gradient of Σ weight × loss / Σ weight over the global batch
+    (a state without an accumulator takes a whole step per call: K = 1).
 
     A non-finite micro-batch contributes a zero gradient (so the accumulation keeps its
     cadence of K micro-batches per optimizer step) and is counted in `nonfinite`.
@@ -255,7 +299,8 @@ def train_step(
     grads = float32(grads)
     finite = jnp.isfinite(loss) & _all_finite(grads)
     grads = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-    updates, opt_state = make_optimizer(config, hyper).update(grads, state.opt_state, state.params)
+    tx = make_optimizer(config, hyper, accumulator=state.opt_state.acc_grads is not None)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new_state = TrainState(
         params=optax.apply_updates(state.params, updates),
         opt_state=opt_state,

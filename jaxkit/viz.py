@@ -8,7 +8,6 @@ Plots draw on matplotlib axes the caller makes.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -158,12 +157,3 @@ def sharding_table(tree: Any) -> str:
         shard = x.addressable_shards[0].data.shape
         rows.append((_path_name(path), tuple(x.shape), spec, tuple(shard)))
     return format_table(("array", "shape", "PartitionSpec", "per device"), rows)
-
-
-def bytes_per_device(tree: Any) -> int:
-    """Bytes of one device's shard of each array in a tree: arrays, or abstract arrays that
-    carry their sharding (jax.ShapeDtypeStruct), as the compiler would lay them out."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-        for x in jax.tree.leaves(tree)
-    )

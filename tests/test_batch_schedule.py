@@ -234,9 +234,12 @@ def test_a_ramped_run_compiles_its_step_once_and_logs_each_steps_batch(ramped_ru
     assert records[-1]["examples_seen"] == 8 * 32 + 6 * 64 + 2 * 128
     assert records[-1]["micro_step"] == 8 * 1 + 6 * 2 + 2 * 4
     assert result.summary["batch_schedule"]["stages"][2]["steps"] == 2
+    # The one program holds MultiSteps' accumulator at every K, K = 1 included.
+    assert result.state.opt_state.acc_grads is not None
 
-    _, compiles = ramped_runs["fused"]  # K is the batch's leading dimension, one program per K
+    fused, compiles = ramped_runs["fused"]  # K is the batch's leading dimension, one program per K
     assert compiles == [1, 2, 4]
+    assert fused.state.opt_state.acc_grads is None  # the sums live inside each step
 
 
 def final_params(result):

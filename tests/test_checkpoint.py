@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 
 from jaxkit import costs, loop_pieces, noise_scale
 from jaxkit import loop as loop_lib
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch_schedule import plan_from_config, schedule_from_config
 from jaxkit.checkpoint import Checkpointer, CheckpointError, abstract_state, empty_accumulator
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.data import make_sources, stream_rows
@@ -764,3 +765,94 @@ def test_small_replicated_arrays_are_saved_whole_without_compiling_a_slice_each(
     manager.close()
     for name, array in tree.items():
         np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(array))
+
+
+@pytest.mark.parametrize(
+    "overrides,held",
+    [
+        (("batch.per_device_batch_size=4",), False),  # 8 × 4 × K=1
+        (("batch.per_device_batch_size=2",), True),  # 8 × 2 × K=2
+        (("batch.per_device_batch_size=2", "train.accumulation=fused"), False),
+        (
+            (
+                "batch.per_device_batch_size=4",
+                "batch.global_batch_size=null",
+                "batch.schedule=0:32,64:64",
+            ),
+            True,
+        ),
+    ],
+)
+def test_a_state_holds_an_accumulator_only_where_a_step_takes_several_calls(overrides, held):
+    """MultiSteps' accumulator holds zeros at every step boundary: kept between calls only
+    where a step's micro-batches arrive in several (MultiSteps mode at K > 1, or a batch
+    schedule that reaches K > 1, which runs one program at every K)."""
+    config = digits(*overrides)
+    mesh = make_mesh(config.mesh.to_dict())
+    schedule = schedule_from_config(config, mesh_shape(mesh))
+    setup = build(config, schedule.first, mesh, schedule)
+    state = abstract_state(setup)
+    assert (state.opt_state.acc_grads is not None) == held
+    assert setup.holds_accumulator == held
+
+
+# A workdir written by jaxkit before states dropped the accumulator where it is always zeros
+# between calls (tests/data/multisteps_mid_step/make.py): mlp_digits with 8 hidden units on
+# 1 device at K = 2, stopped 1 micro-step into optimizer step 2.
+WRITTEN_WITH_AN_ACCUMULATOR = Path(__file__).parent / "data" / "multisteps_mid_step"
+
+
+def tiny_digits(*overrides):
+    return digits(
+        "model.hidden_size=8",
+        "model.num_layers=1",
+        "batch.global_batch_size=8",
+        "batch.per_device_batch_size=4",
+        "train.steps=3",
+        "train.eval_every=0",
+        "train.noise_scale_every=0",
+        *overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_full(tmp_path_factory):
+    """The three steps uninterrupted, K = 2 (the old workdir's split), as jaxkit runs today."""
+    return run(tiny_digits(), tmp_path_factory.mktemp("tiny_full"), devices=1)
+
+
+@pytest.mark.parametrize(
+    "overrides,continued",
+    [
+        ((), True),  # the same split: the half-step continues, the accumulator is kept
+        (("batch.per_device_batch_size=8",), False),  # K = 1: redone, the accumulator dropped
+        (("train.accumulation=fused",), False),  # fused: redone, the accumulator dropped
+    ],
+)
+def test_a_checkpoint_written_with_an_accumulator_resumes(
+    tmp_path, tiny_full, overrides, continued
+):
+    workdir = tmp_path / "old"
+    shutil.copytree(WRITTEN_WITH_AN_ACCUMULATOR, workdir)
+    messages = []
+    resumed = train(
+        tiny_digits(*overrides),
+        workdir,
+        devices=jax.devices()[:1],
+        progress=False,
+        echo=messages.append,
+    )
+    assert any("at optimizer step 1, 1 of 2 micro-steps" in m for m in messages), messages
+    redone = any("cannot continue: that step starts again" in m for m in messages)
+    assert redone == (not continued), messages
+    assert (resumed.state.opt_state.acc_grads is not None) == continued
+    assert int(resumed.state.step) == 3 and int(resumed.state.opt_state.mini_step) == 0
+    # The same trajectory as the uninterrupted run: every split follows it to round-off
+    # (the checkpoint's first step and a half ran under the jax that wrote it).
+    worst = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(leaves(tiny_full.state.params), leaves(resumed.state.params), strict=True)
+    )
+    assert worst < PARAM_ATOL, worst
+    records = [r for r in read_metrics(workdir) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]  # step 1 logged once, by the old run

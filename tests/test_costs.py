@@ -16,6 +16,7 @@ from jaxkit.batch_schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.loop import train
 from jaxkit.models import build_model
+from jaxkit.train_step import abstract_params
 
 
 def _digits(*overrides):
@@ -50,8 +51,13 @@ def test_memory_follows_the_micro_batch():
     splits = costs.with_costs(config, costs.enumerate_splits(config, [4]), devices)
     by_b = {s.plan.per_device_batch_size: s.cost for s in splits}
     assert set(by_b) == {8, 4, 2, 1}
-    memory = [by_b[b].memory_bytes for b in (1, 2, 4, 8)]
+    # K = 8, 4, 2 hold the same state (MultiSteps' accumulator included): memory grows with
+    # the micro-batch. K = 1 holds no accumulator: its state is one params' worth less.
+    memory = [by_b[b].memory_bytes for b in (1, 2, 4)]
     assert memory == sorted(memory) and memory[0] < memory[-1]
+    assert len({by_b[b].state_bytes for b in (1, 2, 4)}) == 1
+    params = sum(x.size * 4 for x in jax.tree.leaves(abstract_params(config)))  # float32
+    assert by_b[4].state_bytes - by_b[8].state_bytes == params
     c = by_b[8]
     assert c.memory_bytes == c.argument_bytes + c.output_bytes - c.alias_bytes + c.temp_bytes
     assert c.alias_bytes > 0  # the donated state is written in place
@@ -169,9 +175,12 @@ def test_flops_per_step_count_the_update_once():
 
 
 def test_recommend_takes_the_largest_fitting_batch_then_fewest_steps():
-    config = _digits()
+    # lm_tiny, whose activations outweigh its state: memory grows with the per-device batch.
+    # (On mlp_digits, the K = 1 split, which holds no accumulator, is the smallest:
+    # test_plan_all_splits_json_and_the_text_table.)
+    config = load_config("lm_tiny")
     devices = jax.devices()
-    splits = costs.with_costs(config, costs.enumerate_splits(config, [8, 4]), devices)
+    splits = costs.with_costs(config, costs.enumerate_splits(config, [8]), devices)
     on8 = sorted((s for s in splits if s.devices == 8), key=lambda s: s.plan.per_device_batch_size)
     # A budget between the two largest per-device batches on 8 devices picks the second.
     budget = (on8[-2].cost.memory_bytes + on8[-1].cost.memory_bytes) // 2
@@ -179,6 +188,7 @@ def test_recommend_takes_the_largest_fitting_batch_then_fewest_steps():
     chosen = costs.recommend(splits, budget, devices=8)
     assert chosen.key == on8[-2].key
     assert costs.recommend(splits, 1, devices=8) is None
+    assert costs.recommend(splits, 2**40, devices=4) is None  # none compiled on 4
 
 
 def test_compile_only_search_finds_the_boundary():
@@ -218,6 +228,16 @@ def test_plan_all_splits_json_and_the_text_table():
     # Everything fits 10 GiB: the largest per-device batch on all 8 devices, K = 1.
     rec = result["recommended"]
     assert (rec["data_parallel_size"], rec["per_device_batch_size"]) == (8, 4)
+
+    # The state between steps: params and AdamW's two moments (float32, replicated on a data
+    # mesh), a few int32 counters; MultiSteps' accumulator, one params' worth more, only
+    # where a step takes several calls (K > 1).
+    model = json.loads(jaxkit("plan", "mlp_digits", "--json").stdout)["model"]
+    params = 4 * model["param_count"]
+    for s in result["splits"]:
+        copies = 3 if s["grad_accum_steps"] == 1 else 4
+        assert copies * params <= s["state_bytes"] < copies * params + 64, s
+        assert s["state_bytes"] <= s["argument_bytes"], s
 
     # docs/batch-plan.md's block, figure by figure. The compiled memory is the same under
     # the tests' compile flags (which leave XLA's buffer assignment as it is); 0.5% is room

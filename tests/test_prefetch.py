@@ -6,9 +6,11 @@ import threading
 import jax
 import numpy as np
 import pytest
+from small_configs import SMALL_LM
 from test_batch_schedule import quiet, ramped, train_records
+from token_dirs import padded_prompt_completion
 
-from jaxkit.config import apply_overrides
+from jaxkit.config import apply_overrides, load_config
 from jaxkit.prefetch import Prefetcher
 
 
@@ -66,16 +68,32 @@ def test_a_load_error_reaches_the_loop_and_depth_zero_loads_inline():
     assert inline.pending == {} and len(loads.calls) == 1
 
 
+@pytest.fixture(scope="module")
+def padded_rows(tmp_path_factory):
+    """Overrides for lm_tiny on padded prompt/completion rows that weigh 2 to 7 targets."""
+    return padded_prompt_completion(tmp_path_factory.mktemp("padded"))
+
+
 @pytest.mark.parametrize("accumulation", ["multisteps", "fused"])
-def test_training_with_and_without_prefetch_is_the_same_run(accumulation):
+def test_training_with_and_without_prefetch_is_the_same_run(accumulation, padded_rows):
     """Through a batch schedule (K = 1, 2, 4 over three stages): the loop's guesses cross
-    stage boundaries, and every step sees the batches it would have loaded itself."""
+    stage boundaries, and every step sees the batches it would have loaded itself.
+
+    Rows of unequal weight: a micro-batch's rows are the same under every stage (stages
+    change only K), but its loss weights are scaled by its global batch's weight, so a
+    micro-batch loaded under the stage before (equal-weight rows scale the same) trains
+    another step."""
     runs = {}
     for depth in (0, 3):
+        # ramped's stages on lm_tiny's rows: 8 devices × 4 rows, K = 1, 2, 4.
         config = ramped(f"train.prefetch={depth}", f"train.accumulation={accumulation}")
-        # The noise scale's small batch is loaded apart from the prefetcher, and its
-        # gradient is another program: off.
-        apply_overrides(config, ["train.noise_scale_every=0"])
+        config.model, config.data = load_config("lm_tiny").model, load_config("lm_tiny").data
+        apply_overrides(
+            config,
+            # The noise scale's small batch is loaded apart from the prefetcher, and its
+            # gradient is another program: off.
+            [*SMALL_LM, *padded_rows, "train.noise_scale_every=0"],
+        )
         result = quiet(config, devices=jax.devices()[:8])
         runs[depth] = result
     a, b = (train_records(runs[d]) for d in (0, 3))

@@ -8,7 +8,7 @@ from matplotlib.figure import Figure
 from jaxkit import viz
 from jaxkit.batch_plan import make_batch_plan
 from jaxkit.data import global_batch_rows
-from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.mesh import bytes_per_device, make_mesh, mesh_shape
 
 
 def plan_on(mesh, global_batch_size, per_device_batch_size):
@@ -49,7 +49,7 @@ def test_sharding_table_and_bytes_per_device():
     tree = {"x": x, "y": y}
     table = viz.sharding_table(tree)
     assert "P('data', 'tensor') | (2, 3)" in table and "P() " in table
-    assert viz.bytes_per_device(tree) == (2 * 3 + 5) * 4
+    assert bytes_per_device(tree) == (2 * 3 + 5) * 4
 
 
 def test_plots_draw_and_refuse_misaligned_curves():

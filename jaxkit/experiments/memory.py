@@ -30,8 +30,7 @@ from jaxkit.experiments.common import (
     powers_of_two,
     preamble,
 )
-from jaxkit.train_step import abstract_state, build
-from jaxkit.viz import bytes_per_device
+from jaxkit.train_step import abstract_state, accumulator_layout, build
 
 ACCUM_SWEEP = (1, 2, 4, 8)
 
@@ -41,13 +40,14 @@ def state_breakdown(config: ml_collections.ConfigDict, devices: list) -> list[tu
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
     setup = build(config, plan_from_config(config, mesh_lib.mesh_shape(mesh)), mesh)
     state = abstract_state(setup)
+    # Held between calls only in MultiSteps mode at K > 1 (none at K = 1 or fused): its size
+    # there, whatever K this config's plan has.
+    accumulator = accumulator_layout(state, held=True).opt_state.acc_grads
+    size = mesh_lib.bytes_per_device
     return [
-        ("params", bytes_per_device(state.params)),
-        (
-            "optimizer state (inner: moments, counters)",
-            bytes_per_device(state.opt_state.inner_opt_state),
-        ),
-        ("MultiSteps accumulator (acc_grads)", bytes_per_device(state.opt_state.acc_grads)),
+        ("params", size(state.params)),
+        ("optimizer state (inner: moments, counters)", size(state.opt_state.inner_opt_state)),
+        ("MultiSteps accumulator (acc_grads), at K > 1", size(accumulator)),
     ]
 
 
