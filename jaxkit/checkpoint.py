@@ -346,9 +346,14 @@ class Checkpointer:
                     f"model wants {tuple(leaf.shape)}"
                 )
         if problems or len(saved_leaves) != len(wanted):
+            # MultiSteps' accumulator mirrors the params (and a run may not even keep one):
+            # named only where nothing else differs.
+            shown = [p for p in problems if not p.startswith("  opt_state.acc_grads.")]
+            shown = shown or problems
+            more = [f"  and {len(shown) - 10} more"] if len(shown) > 10 else []
             raise CheckpointError(
                 f"the checkpoint {name} in {self.directory} was written by a different "
-                "model:\n" + "\n".join(problems[:10] or ["  (different tree)"])
+                "model:\n" + "\n".join(shown[:10] + more or ["  (different tree)"])
             )
 
     def _set_aside(self, manager: ocp.CheckpointManager, step: int, err: Exception) -> None:
@@ -715,8 +720,8 @@ def _restart_half_step(
     echo(
         f"the checkpoint holds {redone} of {old['grad_accum_steps']} micro-batches "
         f"({old['micro_batch_size']} rows each) of optimizer step {position.step + 1}, "
-        f"which this plan ({plan.grad_accum_steps} micro-batches of "
-        f"{plan.micro_batch_size} rows"
+        f"which this plan ({plan.grad_accum_steps} micro-batch"
+        f"{'es' if plan.grad_accum_steps != 1 else ''} of {plan.micro_batch_size} rows"
         + (", fused" if setup.accumulation is Accumulation.FUSED else "")
         + ") cannot continue: that step starts again from its first micro-batch "
         "(exact: params change only at a step's last micro-batch)"

@@ -148,6 +148,13 @@ class StepCost:
         }
 
 
+def ramps(config: ml_collections.ConfigDict) -> bool:
+    """Whether `config`'s run grows its global batch (a batch schedule): its stages change
+    only K, so its one MultiSteps program keeps an accumulator even where K is 1, and a
+    split of it compiled alone (split_config drops the schedule) must keep one too."""
+    return bool(config.batch.get("schedule"))
+
+
 def split_config(
     config: ml_collections.ConfigDict, per_device_batch_size: int, grad_accum_steps: int
 ) -> ml_collections.ConfigDict:
@@ -405,10 +412,15 @@ def cost_of(
 
 
 def step_cost(
-    config: ml_collections.ConfigDict, plan: BatchPlan, devices: Sequence[jax.Device]
+    config: ml_collections.ConfigDict,
+    plan: BatchPlan,
+    devices: Sequence[jax.Device],
+    ramps: bool = False,
 ) -> StepCost:
-    """Compiled per-device memory and FLOPs of one optimizer step under `plan` on `devices`."""
-    setup = build(config, plan, mesh_lib.make_mesh(config.mesh.to_dict(), devices))
+    """Compiled per-device memory and FLOPs of one optimizer step under `plan` on `devices`
+    (`ramps`: in a run whose batch schedule grows past it, as train_step.build says)."""
+    mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
+    setup = build(config, plan, mesh, ramps=ramps)
     if _described(devices):
         return _target_step_cost(config, plan, setup, devices)
     return compile_setup_step(config, plan, setup)[1]
@@ -515,7 +527,7 @@ def with_costs(
         b, k = split.plan.per_device_batch_size, split.plan.grad_accum_steps
         split_cfg = split_config(with_remat(config, split.remat), b, k)
         try:
-            cost = step_cost(split_cfg, split.plan, devices[: split.devices])
+            cost = step_cost(split_cfg, split.plan, devices[: split.devices], ramps(config))
             out.append(dataclasses.replace(split, cost=cost))
         except OutOfMemory as err:
             out.append(dataclasses.replace(split, out_of_memory=err))
@@ -594,7 +606,7 @@ def max_per_device_batch(
         split = split_config(config, b, 1)
         starting(b)
         try:
-            cost = step_cost(split, plan_from_config(split, shape), devices)
+            cost = step_cost(split, plan_from_config(split, shape), devices, ramps(config))
         except OutOfMemory as err:
             tried[b], refused[b] = None, err
             progress(b, None)

@@ -140,14 +140,18 @@ def build(
     plan: BatchPlan,
     mesh: Mesh,
     schedule: BatchSchedule | None = None,
+    ramps: bool = False,
 ) -> Setup:
     """The state layout and the jitted init, train and eval steps for one mesh and plan
-    (the first stage of `schedule`, which defaults to `plan` for the whole run)."""
+    (the first stage of `schedule`, which defaults to `plan` for the whole run). `ramps`:
+    the plan is one stage of a run whose batch grows past it (a split the planner compiles
+    alone), so MultiSteps keeps the accumulator that run's one program holds at every K."""
     config = with_kernel(config, list(mesh.devices.flat))  # auto: the mesh's kernel
     schedule = schedule or fixed_schedule(config, plan)
     accumulation = Accumulation(config.train.accumulation)  # config.check_values checked it
     accumulator = holds_accumulator(
-        accumulation is Accumulation.FUSED, schedule.largest.grad_accum_steps
+        accumulation is Accumulation.FUSED,
+        max(schedule.largest.grad_accum_steps, 2 if ramps else 1),
     )
     tx = make_optimizer(config, hyper_for(schedule, plan, 0), accumulator)
     graphdef, abstract_params = _abstract_model(config)

@@ -856,3 +856,18 @@ def test_a_checkpoint_written_with_an_accumulator_resumes(
     assert worst < PARAM_ATOL, worst
     records = [r for r in read_metrics(workdir) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]  # step 1 logged once, by the old run
+
+
+def test_another_model_s_refusal_names_the_params_not_an_accumulator(tmp_path):
+    """The old workdir's accumulator mirrors its params: a refusal of another model names
+    what differs in the params, not the accumulator a K = 1 run does not even keep."""
+    shutil.copytree(WRITTEN_WITH_AN_ACCUMULATOR, tmp_path / "old")
+    other = tiny_digits("model.hidden_size=16", "batch.per_device_batch_size=8")  # K = 1
+    mesh = make_mesh(other.mesh.to_dict(), jax.devices()[:1])
+    setup = build(other, plan_from_config(other, mesh_shape(mesh)), mesh)
+    ckpt = Checkpointer(tmp_path / "old" / "checkpoints", keep=3, warn=print)
+    with pytest.raises(CheckpointError) as refused:
+        ckpt.restore_latest(abstract_state(setup), check=lambda meta: None)
+    message = str(refused.value)
+    assert "params.hidden.0.kernel: saved (64, 8), model wants (64, 16)" in message, message
+    assert "acc_grads" not in message, message

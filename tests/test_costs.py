@@ -255,6 +255,21 @@ def test_plan_all_splits_json_and_the_text_table():
     assert "memory/device" in text.stdout and "give --memory-budget" in text.stdout
 
 
+def test_a_ramped_run_s_splits_keep_the_accumulator_its_one_program_holds():
+    """A batch schedule grows K, and the run's one MultiSteps program holds the accumulator
+    at every K, its K = 1 stage included: the plan compiles each split so (it said a K = 1
+    split fitted in 30 KiB that trained at 50)."""
+    ramp = ["batch.schedule=0:32,640:64", "batch.global_batch_size=null"]
+    out = jaxkit("plan", "mlp_digits", *ramp, "--all-splits", "--device-counts", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    model = json.loads(jaxkit("plan", "mlp_digits", "--json").stdout)["model"]
+    params = 4 * model["param_count"]
+    splits = json.loads(out.stdout)["splits"]
+    assert 1 in {s["grad_accum_steps"] for s in splits}
+    for s in splits:
+        assert 4 * params <= s["state_bytes"] < 4 * params + 64, s
+
+
 def test_plan_max_batch_needs_a_budget_on_cpu_and_refuses_bad_sizes():
     out = jaxkit("plan", "mlp_digits", "--max-per-device-batch")
     assert out.returncode == 2 and "--memory-budget" in out.stderr

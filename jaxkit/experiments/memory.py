@@ -3,8 +3,8 @@
 Three views of one claim: the compiled per-device memory as the per-device batch grows
 (K = 1), the same as accumulation grows at a fixed per-device batch (MultiSteps and fused),
 and where the state's bytes go (params, optimizer moments, and MultiSteps' accumulator: one
-params-sized buffer). On CPU under Linux a few points are also measured as resident-memory
-growth in a fresh process, next to the estimate.
+params-sized buffer, held between calls at K > 1 only). On CPU under Linux a few points are
+also measured as resident-memory growth in a fresh process, next to the estimate.
 """
 
 from __future__ import annotations
@@ -245,12 +245,16 @@ def _render_accumulation(sweep: _Sweep, report: Report, swept: int) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
-    report.figure(fig, "memory_vs_accum.png", "Accumulation steps barely move memory")
+    report.figure(fig, "memory_vs_accum.png", "Memory against accumulation steps")
     report.text(
-        "MultiSteps runs one micro-batch per call, so its program, and its memory, "
-        "do not depend on K; the accumulator it carries is the params-sized buffer in "
-        "the table above. Fused takes the whole (K, micro-batch) batch in one call, "
-        "so its input grows with K (a few bytes per token)."
+        "MultiSteps runs one micro-batch per call, so for every K > 1 its program, and "
+        "its memory, are the same; it carries the params-sized accumulator of the table "
+        "above between calls. At K = 1 every call is a whole optimizer step: no "
+        "accumulator, and no update computed and masked on each call, so K = 1 costs "
+        "less (a run whose batch schedule reaches K > 1 keeps the accumulator at every "
+        "K). Fused holds no accumulator between steps and takes the whole (K, "
+        "micro-batch) batch in one call, so its input grows with K (a few bytes per "
+        "token), and at K > 1 it sums the gradients in a params-sized buffer of its own."
     )
 
 
