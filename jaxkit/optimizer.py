@@ -91,11 +91,12 @@ def make_optimizer(
     return optax.MultiSteps(inner, every_k_schedule=lambda _: hyper.grad_accum_steps)
 
 
-def holds_accumulator(fused: bool, largest_grad_accum_steps: int) -> bool:
+def holds_accumulator(fused: bool, largest_grad_accum_steps: int, ramps: bool = False) -> bool:
     """Whether the train state carries an accumulator between calls: only MultiSteps mode
     does, and only where some step of the run takes more than one call. A run whose K
-    changes keeps it at every K (one compiled program, as before), K = 1 included."""
-    return not fused and largest_grad_accum_steps > 1
+    changes (`ramps`: a batch schedule, whose stages change only K) keeps it at every K,
+    K = 1 included: one compiled program."""
+    return not fused and (ramps or largest_grad_accum_steps > 1)
 
 
 class OneCallSteps:

@@ -149,10 +149,8 @@ def build(
     config = with_kernel(config, list(mesh.devices.flat))  # auto: the mesh's kernel
     schedule = schedule or fixed_schedule(config, plan)
     accumulation = Accumulation(config.train.accumulation)  # config.check_values checked it
-    accumulator = holds_accumulator(
-        accumulation is Accumulation.FUSED,
-        max(schedule.largest.grad_accum_steps, 2 if ramps else 1),
-    )
+    largest_k = schedule.largest.grad_accum_steps
+    accumulator = holds_accumulator(accumulation is Accumulation.FUSED, largest_k, ramps)
     tx = make_optimizer(config, hyper_for(schedule, plan, 0), accumulator)
     graphdef, abstract_params = _abstract_model(config)
     # A param without a partitioning annotation gets P(): replicated (custom_model.py).
