@@ -38,15 +38,15 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", args.host_devices)
 
-from jaxkit import costs
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import load_global_batch, load_micro_batch, make_sources
-from jaxkit.hlo import bytes_per_call, collectives, runs_per_call
-from jaxkit.loop import train
+from jaxkit.data.sources import load_global_batch, load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.targets import parse_target, target_devices
-from jaxkit.train_step import build
+from jaxkit.plan import costs
+from jaxkit.plan.hlo import bytes_per_call, collectives, runs_per_call
+from jaxkit.plan.targets import parse_target, target_devices
+from jaxkit.step.train_step import build
+from jaxkit.train.loop import train
 
 WIDE = ["model.d_model=256", "model.mlp_dim=1024", "batch.global_batch_size=32"]
 MESHES = {

@@ -4,13 +4,13 @@ lm_125m (Llama-style, d_model 768, 12 layers of 12 heads of 64, seq 1024, bfloat
 without remat, layers scanned (as benchmarks/remat_memory.py compiles it), on --target
 (default v5litepod-8: 8 v5e chips of 16 GiB, data-parallel over every chip), with
 model.attention = xla (the (rows × heads × L × L) probabilities materialised and kept for
-the backward pass) and splash (Pallas's splash attention, jaxkit/attention.py):
+the backward pass) and splash (Pallas's splash attention, jaxkit/models/attention.py):
 
 1. the compiled memory per chip (argument + output − alias + temp) at --batch rows per chip;
 2. the largest per-device batch whose step fits the chip's HBM (costs.max_per_device_batch:
    doubling, then bisection).
 
-Compile only: libtpu compiles for a described slice (jaxkit/targets.py); nothing runs.
+Compile only: libtpu compiles for a described slice (jaxkit/plan/targets.py); nothing runs.
 
 Run: python benchmarks/attention.py [--target v5litepod-8] [--config lm_125m] [--batch 8]
 Writes benchmarks/results/attention.json.
@@ -40,11 +40,11 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")
 
-from jaxkit import costs
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.targets import parse_target, target_devices
+from jaxkit.plan import costs
+from jaxkit.plan.targets import parse_target, target_devices
 
 
 def main() -> None:

@@ -30,12 +30,12 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", args.host_devices)
 
-from jaxkit.batch_schedule import plan_from_config
-from jaxkit.checkpoint import Checkpointer
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import load_micro_batch, make_sources
+from jaxkit.data.sources import load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.train_step import build
+from jaxkit.step.train_step import build
+from jaxkit.train.checkpoint import Checkpointer
 
 
 def measure(name: str, overrides: list[str], params_only: bool) -> dict:

@@ -47,11 +47,11 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")
 
-from jaxkit import costs
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import load_config
-from jaxkit.targets import parse_target, target_devices
+from jaxkit.plan import costs
+from jaxkit.plan.targets import parse_target, target_devices
 
 
 def numbers(text: str) -> list[int]:

@@ -42,11 +42,12 @@ args = parser.parse_args()
 COMPILE_ONLY = """
 import json, sys, jax
 jax.config.update("jax_num_cpu_devices", 8)
-from jaxkit import compile_cache, costs, mesh as mesh_lib
+from jaxkit.plan import compile_cache, costs
+from jaxkit import mesh as mesh_lib
 compile_cache.enable()
-from jaxkit.batch_schedule import schedule_from_config
+from jaxkit.batch.schedule import schedule_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.train_step import build
+from jaxkit.step.train_step import build
 config = load_config(sys.argv[1])
 apply_overrides(config, sys.argv[2:])
 mesh = mesh_lib.make_mesh(config.mesh.to_dict(), jax.devices())

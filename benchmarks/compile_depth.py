@@ -49,12 +49,12 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", args.host_devices)
 
-from jaxkit import costs
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_schedule import plan_from_config
-from jaxkit.checkpoint import abstract_state
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import load_config
-from jaxkit.train_step import build
+from jaxkit.plan import costs
+from jaxkit.step.train_step import build
+from jaxkit.train.checkpoint import abstract_state
 
 
 def point_config(num_layers: int, scan: bool):

@@ -3,7 +3,7 @@ and the planner's recommended split against the measured best.
 
 1. Kit against hand (always): the config (default lm_125m: Llama-style, 124M params,
    bfloat16 matmuls, seq 1024) at --per-device-batch rows (default 16) and K = 1 on the
-   first device. The kit: jaxkit.train_step.build, its step compiled ahead of time
+   first device. The kit: jaxkit.step.train_step.build, its step compiled ahead of time
    (costs.compile_setup_step, as the loop does) and called as the loop calls it, with
    MultiSteps, the float32 gradient accumulator and the non-finite guard inside. The hand
    loop: the same model (jaxkit.models.build_model from the same config, the same initial
@@ -13,8 +13,8 @@ and the planner's recommended split against the measured best.
    batches (the config's data source), the same warm-up, then --repeats paired windows of
    --steps steps each (kit window, then hand window), each timed to block_until_ready.
    Reported: tokens/s and MFU of each, and kit/hand throughput (median of the pairs;
-   target >= 0.97). MFU = model FLOPs per step (jaxkit.flops.model_flops_per_example ×
-   rows) / step time / peak (jaxkit.peak.table_peak(device_kind, "bfloat16"); a CPU has
+   target >= 0.97). MFU = model FLOPs per step (jaxkit.plan.flops.model_flops_per_example ×
+   rows) / step time / peak (jaxkit.plan.peak.table_peak(device_kind, "bfloat16"); a CPU has
    no table entry and uses the kit's measured f32 matmul peak, so its MFU is only
    indicative). The two loops' losses are printed side by side as a check that they train
    the same model the same way.
@@ -26,7 +26,7 @@ and the planner's recommended split against the measured best.
    that fits is timed for --split-steps optimizer steps (K micro-steps each, after one
    warm-up step): the recommended split's tokens/s against the measured best.
 
---attention sets model.attention (jaxkit/attention.py); the default, auto, runs cuDNN's flash
+--attention sets model.attention (jaxkit/models/attention.py); the default, auto, runs cuDNN's flash
 attention on an NVIDIA GPU in bfloat16 and xla elsewhere. Both loops build the model from the
 resolved config, so they run the same kernel; run once per kernel to compare them (cudnn is
 checked only here, on a GPU: the tests have none).
@@ -87,17 +87,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxkit import costs
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import load_config
-from jaxkit.data import load_micro_batch, make_sources
-from jaxkit.flops import model_flops_per_example
+from jaxkit.data.sources import load_micro_batch, make_sources
 from jaxkit.models import build_model
-from jaxkit.optimizer import Hyper
-from jaxkit.peak import device_peak, table_peak
-from jaxkit.records import above_the_peak
-from jaxkit.train_step import build, check_on_mesh, with_kernel
+from jaxkit.plan import costs
+from jaxkit.plan.flops import model_flops_per_example
+from jaxkit.plan.peak import device_peak, table_peak
+from jaxkit.records.steps import above_the_peak
+from jaxkit.step.optimizer import Hyper
+from jaxkit.step.train_step import build, check_on_mesh, with_kernel
 
 SMALL = {
     "model.d_model": 128,
@@ -289,7 +289,7 @@ def compare(config, device, peak: float) -> dict:
 
 
 def peak_warning(kit: dict, peak_source: str) -> list[str]:
-    """The train summary's line on an MFU above 100% (jaxkit.records), for either loop's."""
+    """The train summary's line on an MFU above 100% (jaxkit.records.steps), for either loop's."""
     mfu = max(kit["kit_mfu"], kit["hand_mfu"])
     # The hand loop runs the kit's model: its hardware FLOPs per model FLOP, as compiled.
     per_model_flop = kit["kit_compiled"]["hardware_per_model_flop"]

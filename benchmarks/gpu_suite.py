@@ -120,8 +120,8 @@ def smoke(dry_run: bool) -> dict:
     import jax
 
     from jaxkit.config import apply_overrides, load_config
-    from jaxkit.loop import train
-    from jaxkit.train_step import with_kernel
+    from jaxkit.step.train_step import with_kernel
+    from jaxkit.train.loop import train
 
     start = time.perf_counter()
     config = load_config("lm_125m")

@@ -111,11 +111,11 @@ def worker(process_id: int, port: int, directory: pathlib.Path) -> None:
     jax.config.update("jax_num_cpu_devices", DEVICES_PER_PROCESS)
     jax.distributed.initialize(f"127.0.0.1:{port}", PROCESSES, process_id)
 
-    from jaxkit.batch_schedule import plan_from_config
+    from jaxkit.batch.schedule import plan_from_config
     from jaxkit.config import apply_overrides, load_config
     from jaxkit.hf import load as hf_load
     from jaxkit.mesh import make_mesh, mesh_shape
-    from jaxkit.train_step import abstract_state, build
+    from jaxkit.step.train_step import abstract_state, build
 
     config = load_config("llama_tiny")
     # llama_tiny's options (float32 params, unrolled blocks); the sizes are config.json's.

@@ -54,12 +54,12 @@ jax.config.update("jax_num_cpu_devices", args.host_devices)
 
 import numpy as np
 
-from jaxkit import data as data_lib
-from jaxkit import loop as loop_lib
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
+from jaxkit.data import sources as data_lib
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.train_step import build
+from jaxkit.step.train_step import build
+from jaxkit.train import loop as loop_lib
 
 
 class Slow:

@@ -2,7 +2,7 @@
 
 1. For several per-device batches of the tiny LM on one CPU device: the compiled estimate
    (argument + output − alias + temp) against the resident-set growth of one step measured
-   in a fresh process (jaxkit/rss.py), and the prediction error. Target: within 10%.
+   in a fresh process (jaxkit/records/rss.py), and the prediction error. Target: within 10%.
 2. The compile-only search for the largest per-device batch under a budget: how many
    compiles and seconds it takes, and the batch it finds run once, measured the same way,
    to confirm it fits.
@@ -31,8 +31,9 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 1)
 
-from jaxkit import costs, rss
 from jaxkit.config import load_config
+from jaxkit.plan import costs
+from jaxkit.records import rss
 
 config = load_config(args.config)
 results: dict = {"config": args.config, "devices": "1 CPU device", "points": []}

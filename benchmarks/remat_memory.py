@@ -5,7 +5,7 @@
    (grad_accum_steps 1), each compiled ahead of time for --target (default v5litepod-8,
    8 v5e chips of 16 GiB HBM; the config's mesh, data-parallel over every chip) by
    costs.step_cost on abstract inputs: nothing is allocated or run, libtpu compiles for a
-   described slice (jaxkit/targets.py). Per point: the compiled memory per device
+   described slice (jaxkit/plan/targets.py). Per point: the compiled memory per device
    (argument + output − alias + temp), whether it fits the chip's HBM, and hardware FLOPs
    (the compiled matmuls, recomputation included) per model FLOP. A step the TPU compiler
    refuses as out of memory (costs.OutOfMemory) is recorded as "does not fit", with the
@@ -66,12 +66,12 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", args.host_devices)
 
-from jaxkit import costs
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import load_config
-from jaxkit.targets import parse_target, target_devices
-from jaxkit.train_step import check_on_mesh
+from jaxkit.plan import costs
+from jaxkit.plan.targets import parse_target, target_devices
+from jaxkit.step.train_step import check_on_mesh
 
 
 def split_list(text: str) -> list[str]:

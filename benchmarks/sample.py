@@ -1,6 +1,6 @@
 """New tokens per second of `jaxkit sample`'s key/value cache against recomputing the prefix.
 
-Both paths are jaxkit/sampling.py's own, on one random-init model per config (speed does
+Both paths are jaxkit/generate/sampling.py's own, on one random-init model per config (speed does
 not depend on training): the key/value cache the built-in models decode with, and the path
 a model of your own takes (no cache: the whole prefix through the model at every step,
 rows padded on the right), which a Sampler takes when its `decoding` names no cache. Both
@@ -20,7 +20,7 @@ Nothing stops a row early: there is no stop id.
 
 Target: the cache at least 5x the recomputed path's new tokens per second at 1,024 new
 tokens. The cache's memory per sequence is its key and value arrays for one row, as
-jaxkit/kv_cache.py allocates them (layers x slots x key/value heads x head width, twice, in
+jaxkit/models/kv_cache.py allocates them (layers x slots x key/value heads x head width, twice, in
 the compute dtype; slots = the prompt's bucket + the new tokens).
 
 Run: python benchmarks/sample.py [--host-devices 1] [--rows 1] [--repeats 3]
@@ -45,11 +45,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkit import layers, sampling
 from jaxkit import mesh as mesh_lib
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.kv_cache import Cache
-from jaxkit.models import build_model
+from jaxkit.generate import sampling
+from jaxkit.models import build_model, layers
+from jaxkit.models.kv_cache import Cache
 
 PROMPT = b"def main"  # 8 bytes: a prompt bucket of 16
 TARGET_NEW_TOKENS = 1024

@@ -57,15 +57,15 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", args.host_devices)  # used where there is no accelerator
 
-from jaxkit import costs
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.noise_scale import SMALL_BATCH_ROWS
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import BASE_KEYS, apply_overrides, load_config
-from jaxkit.data import load_micro_batch, load_small_batch, make_sources
-from jaxkit.hlo import collectives
-from jaxkit.loop import train
+from jaxkit.data.sources import load_micro_batch, load_small_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.noise_scale import SMALL_BATCH_ROWS
-from jaxkit.train_step import build
+from jaxkit.plan import costs
+from jaxkit.plan.hlo import collectives
+from jaxkit.step.train_step import build
+from jaxkit.train.loop import train
 
 if args.tpu_topology:  # devices of a TPU slice described, not attached: compile only
     from jax.experimental import topologies

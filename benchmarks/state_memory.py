@@ -38,13 +38,13 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")
 
-from jaxkit import costs
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import format_table
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.plan import format_table
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.targets import parse_target, target_devices
-from jaxkit.train_step import abstract_state, build
+from jaxkit.plan import costs
+from jaxkit.plan.targets import parse_target, target_devices
+from jaxkit.step.train_step import abstract_state, build
 
 
 def split(mode: str, global_batch: int, devices: list) -> dict:

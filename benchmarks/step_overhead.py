@@ -54,13 +54,13 @@ jax.config.update("jax_num_cpu_devices", args.host_devices)
 import optax
 from flax import nnx
 
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import load_micro_batch, make_sources
-from jaxkit.loop import train
+from jaxkit.data.sources import load_micro_batch, make_sources
 from jaxkit.mesh import batch_sharding, make_mesh, mesh_shape, replicated
 from jaxkit.models import model_loss
-from jaxkit.train_step import build
+from jaxkit.step.train_step import build
+from jaxkit.train.loop import train
 
 
 def lm_config(per_device: int, accum: int, steps: int):

@@ -42,10 +42,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiling for a described slice
 
 import ml_collections
 
-from jaxkit import compile_cache, costs
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.mesh import resolve_mesh_shape
-from jaxkit.targets import parse_target, target_devices
+from jaxkit.plan import compile_cache, costs
+from jaxkit.plan.targets import parse_target, target_devices
 
 # Compile seconds are what the splits measure: no plan comes from the cache of earlier ones.
 compile_cache.plans_enabled = False

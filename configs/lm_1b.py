@@ -4,10 +4,10 @@ untied embeddings, bfloat16, full remat, scanned layers, sequences of 2,048.
 Run:      jaxkit train lm_1b
 Hardware: an accelerator slice: 8 chips of 16 GiB or more with mesh.fsdp=-1 (v5litepod-8,
           8 × H100); plan it first: `jaxkit plan lm_1b --target v5litepod-8 --all-splits`.
-Time:     3.83 PFLOP per optimizer step (524,288 tokens; the model FLOPs of jaxkit/flops.py
+Time:     3.83 PFLOP per optimizer step (524,288 tokens; the model FLOPs of jaxkit/plan/flops.py
           for 256 rows: model_flops_per_step_all_devices of `jaxkit plan lm_1b --json`): an
           estimate, not a measurement: at 50% MFU (the goal) on 8 H100s (989 TFLOP/s bf16
-          each, jaxkit/peak.py), 1.0 s a step.
+          each, jaxkit/plan/peak.py), 1.0 s a step.
 Expect:   as lm_125m: the loss on the synthetic counting rows falls from ln(32000) ≈ 10.4
           towards 0.
 """

@@ -1,7 +1,7 @@
 """Prompt/completion fine-tuning data, padded: the stdlib's function signatures as prompts,
 their docstrings' first paragraphs as completions; only completions are scored.
 
-Prepare:  python -m jaxkit.docstrings docstrings.jsonl
+Prepare:  python -m jaxkit.data.docstrings docstrings.jsonl
           jaxkit data prepare docstrings.jsonl --tokenizer bytes --out data/docstrings \\
               --eval-fraction 0.05
 Run:      jaxkit train sft_tiny   (8 simulated devices on a CPU-only machine)

@@ -5,7 +5,7 @@ completions are scored.
 Fetch:    huggingface-cli download HuggingFaceTB/SmolLM2-135M \\
               --local-dir checkpoints/SmolLM2-135M
           (yours to run: jaxkit downloads nothing; it reads config.json and *.safetensors)
-Prepare:  python -m jaxkit.docstrings docstrings.jsonl
+Prepare:  python -m jaxkit.data.docstrings docstrings.jsonl
           jaxkit data prepare docstrings.jsonl --out data/docstrings-smollm2 \\
               --tokenizer checkpoints/SmolLM2-135M/tokenizer.json --eval-fraction 0.05
 Run:      jaxkit train smollm2_sft --workdir runs/smollm2_sft

@@ -2,7 +2,9 @@
 
 Each generated page is one entry of GENERATED: its path under docs/ and a function that
 returns its Markdown. The pages are committed, and tests/test_docs.py fails when one differs
-from what its function returns now, so a changed option or key is a changed page.
+from what its function returns now, so a changed option or key is a changed page. It also
+writes jaxkit/sections.py, the typed config sections generated from the same declarations
+(tests/test_sections.py checks it).
 """
 
 from __future__ import annotations
@@ -201,6 +203,12 @@ def main(argv: list[str]) -> int:
         with open(path, "w", encoding="utf-8") as f:
             f.write(make())
         print(f"wrote {os.path.relpath(path)}")
+    from jaxkit.config import sections_module
+
+    path = os.path.join(os.path.dirname(DOCS), "jaxkit", "sections.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(sections_module())
+    print(f"wrote {os.path.relpath(path)}")
     return 0
 
 

@@ -17,14 +17,9 @@ import sys
 import threading
 
 from jaxkit.commands import data, evaluate, experiment, export, plan, report, sample, train
-from jaxkit.commands.common import (
-    DEFAULT_HOST_DEVICES,
-    INTERRUPTED,
-    TERMINATED,
-    UsageError,
-    error,
-)
-from jaxkit.commands.common import load_config as _load_config
+from jaxkit.commands.common import DEFAULT_HOST_DEVICES, INTERRUPTED, TERMINATED, error
+from jaxkit.config import UsageError
+from jaxkit.generate.source import load_config as _load_config
 
 COMMANDS = ("plan", "train", "experiment", "report", "data", "export", "sample", "eval")
 
@@ -89,8 +84,8 @@ def _start_jax(host_devices: int | None, cpu_only: bool = False, cache: bool = T
     """
     import jax
 
-    from jaxkit import compile_cache
     from jaxkit.notebook import platforms_to_start
+    from jaxkit.plan import compile_cache
 
     if host_devices is not None or cpu_only:
         jax.config.update("jax_platforms", "cpu")
@@ -195,7 +190,7 @@ def _main(argv: list[str] | None) -> int:
         print(note, file=sys.stderr if getattr(opts, "json", False) else sys.stdout)
     target = getattr(opts, "target", None)
     if target is not None:
-        from jaxkit.targets import TargetError, parse_target
+        from jaxkit.plan.targets import TargetError, parse_target
 
         try:
             opts.target = parse_target(target)
@@ -211,13 +206,13 @@ def _main(argv: list[str] | None) -> int:
             return error(err)
 
     from jaxkit import mesh as mesh_lib
-    from jaxkit import planning
-    from jaxkit.batch_plan import BatchPlanError
-    from jaxkit.checkpoint import CheckpointError
-    from jaxkit.data import DataError
+    from jaxkit.batch.plan import BatchPlanError
+    from jaxkit.data.sources import DataError
     from jaxkit.distributed import DistributedError
-    from jaxkit.targets import TargetError
-    from jaxkit.workdir import WorkdirInUseError
+    from jaxkit.plan import planning
+    from jaxkit.plan.targets import TargetError
+    from jaxkit.train.checkpoint import CheckpointError
+    from jaxkit.train.lock import WorkdirInUseError
 
     try:
         # Every command runs the config's mesh on its devices (the live ones, or a described

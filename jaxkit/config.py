@@ -3,21 +3,24 @@
 A config is a Python file with `get_config()` returning an `ml_collections.ConfigDict`.
 Overrides are `dotted.key=value` strings; `key=null` unsets a value. Unknown keys and
 ill-typed values are errors that name the key and suggest the closest valid one, and
-`check_values` checks every value (`jaxkit.validate` adds a model of your own's checks).
+`check_values` checks every value (`jaxkit.config` adds a model of your own's checks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import json
 import pathlib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
 
-from jaxkit.batch_plan import LR_SCALINGS, Accumulation
+from jaxkit import sections
+from jaxkit.batch.plan import LR_SCALINGS, Accumulation
 from jaxkit.keys import (
     ALWAYS,
     COUNT,
@@ -42,7 +45,7 @@ from jaxkit.keys import show as _show
 from jaxkit.keys import (
     text as text_rule,
 )
-from jaxkit.models import CUSTOM_KIND, KINDS, Contract, kind_of, kind_problem
+from jaxkit.models import CUSTOM_KIND, KINDS, Contract, contract, kind_of, kind_problem
 from jaxkit.models import is_lm as is_lm  # asked of a config: the contract answers
 
 # A checkout's configs/, or the copy a wheel installs as jaxkit/configs.
@@ -73,6 +76,7 @@ _W_AND_B_NAME = Rule(
         if value is None or (isinstance(value, str) and value.strip())
         else "must be null or a non-empty string"
     ),
+    "str | None",
 )
 # Optimizer step counts are int32 in optax (and the schedules read them): 2**31 overflows.
 _STEP_COUNT = 2**31
@@ -313,7 +317,8 @@ BASE_KEYS: tuple[Key, ...] = (
         **_RESUMABLE,
     ),
     _key("checkpoint.keep", 3, POSITIVE, "newest checkpoints kept (at least 1)", **_RESUMABLE),
-    # Where the run is also followed (jaxkit/wandb_log.py); runs saved before ran without it.
+    # Where the run is also followed (jaxkit/records/wandb_log.py); runs saved before ran
+    # without it.
     _key(
         "wandb.project",
         None,
@@ -596,7 +601,7 @@ def config_to_json(config: ml_collections.ConfigDict) -> dict:
 MODEL_KIND = _key(
     "model.kind",
     REQUIRED,
-    Rule(f"{', '.join(KINDS)}, or {CUSTOM_KIND}", kind_problem),
+    Rule(f"{', '.join(KINDS)}, or {CUSTOM_KIND}", kind_problem, "str"),
     f"{', '.join(f'`{name}`' for name in KINDS)}, or `{CUSTOM_KIND}` for your own model",
 )
 # Every key of base_config(), and model.kind, with its constraint.
@@ -683,7 +688,7 @@ def _check(flat: dict[str, object], rules: dict[str, Rule], needed_by: str | Non
 
 def check_values(config: ml_collections.ConfigDict) -> None:
     """Checks every value of `config` (base keys and its model kind's); a ConfigError names
-    the first bad key and its constraint. `jaxkit.validate.validate` also builds a model of
+    the first bad key and its constraint. `jaxkit.config.validate` also builds a model of
     your own."""
     flat = flatten(config)
     for old in RENAMED:
@@ -754,3 +759,179 @@ def parse_profile_steps(text: str, steps: int | None) -> tuple[int, int] | None:
         bound = f" <= train.steps={steps}" if steps is not None else ""
         raise ConfigError(f"train.profile_steps={text!r} needs 0 <= START < END{bound}")
     return start, end
+
+
+class UsageError(ValueError):
+    """A command line that cannot be run as given (exit status 2)."""
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Checks every value of `config` (base keys and its model kind's); a ConfigError names
+    the first bad key and its constraint. A model of your own is imported and built from
+    shapes alone, its logits checked against the data."""
+    check_values(config)
+    # Flax loads only for a model of your own (its contract builds it from shapes), as the
+    # CLI checks every config before JAX starts.
+    contract(config).check_model(config)
+
+
+# Typed sections: after validation, `run_config` turns the ConfigDict into a frozen RunConfig
+# whose sections are the dataclasses of jaxkit/sections.py, generated from the declarations
+# above by `sections_module()` (`python docs/generate.py` writes it; tests/test_sections.py
+# fails when the committed module drifts from them).
+
+SHARED_SECTIONS = ("batch", "mesh", "optimizer", "train", "checkpoint", "wandb")
+
+
+def _class_name(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def _literal(value: object) -> str:
+    """A default as the generated module writes it (double-quoted strings, as ruff formats)."""
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)
+
+
+def _union(first: str, second: str) -> str:
+    """Two annotations as one: `int` and `None` is `int | None`; two Literals, one."""
+    parts = first.split(" | ") + [p for p in second.split(" | ") if p not in first.split(" | ")]
+    literals = [p for p in parts if p.startswith("Literal[")]
+    if len(literals) > 1:
+        choices = [c for p in literals for c in p[len("Literal[") : -1].split(", ")]
+        merged = f"Literal[{', '.join(dict.fromkeys(choices))}]"
+        parts = [merged if p == literals[0] else p for p in parts if p not in literals[1:]]
+    return " | ".join([p for p in parts if p != "None"] + (["None"] if "None" in parts else []))
+
+
+def _section_source(
+    name: str, doc: str, variants: list[list[Key]], head: list[str], nullable: Sequence[Key] = ()
+) -> str:
+    """A frozen dataclass of the keys of `variants` (the key sets a section may hold): a key
+    every variant requires keeps its type; one with a default keeps it; one that only some
+    variants declare, and each of `nullable` (a data source's own keys), is None where this
+    config's kind or source has none."""
+    fields: dict[str, tuple[str, str | None]] = {}
+    optional: dict[str, str] = {}
+    for keys in variants:
+        for key in keys:
+            default = None if key.default is REQUIRED else _literal(key.default)
+            annotation, first_default = fields.get(key.leaf, (key.rule.annotation, default))
+            fields[key.leaf] = (_union(annotation, key.rule.annotation), first_default or default)
+    for key in nullable:
+        if key.leaf not in fields:
+            known = optional.get(key.leaf, key.rule.annotation)
+            optional[key.leaf] = _union(_union(known, key.rule.annotation), "None")
+    lines = [
+        "@dataclasses.dataclass(frozen=True, kw_only=True)",
+        f"class {name}:",
+        f'    """{doc}"""',
+        "",
+        *head,
+    ]
+    for leaf, (annotation, default) in fields.items():
+        everywhere = all(any(k.leaf == leaf for k in keys) for keys in variants)
+        if default is None and not everywhere:
+            if "None" not in annotation.split(" | "):
+                annotation = f"{annotation} | None"
+            default = "None"
+        lines.append(f"    {leaf}: {annotation}" + (f" = {default}" if default else ""))
+    lines += [f"    {leaf}: {annotation} = None" for leaf, annotation in optional.items()]
+    return "\n".join(lines)
+
+
+def _of(keys: Iterable[Key], section: str) -> list[Key]:
+    return [key for key in keys if key.section == section and key.name.count(".") == 1]
+
+
+def sections_module() -> str:
+    """The source of jaxkit/sections.py: a dataclass per config section, the model and data
+    sections one per model kind (`data`'s fields are its kind's and every source's keys:
+    a source's own keys are null with the others), and RunConfig of them all."""
+    from jaxkit.models import CUSTOM
+
+    sources = [key for keys in SOURCE_KEYS.values() for key in keys]
+    parts = [
+        '"""The typed config a run reads: `jaxkit.config.run_config(config)` turns a checked\n'
+        "ConfigDict into a frozen RunConfig of these sections.\n\n"
+        "Generated from the keys' declarations (jaxkit/config.py and each model kind's) by\n"
+        "`python docs/generate.py`: do not edit by hand.\n"
+        '"""\n\n'
+        "from __future__ import annotations\n\nimport dataclasses\nfrom typing import Any, Literal",
+    ]
+    for section in SHARED_SECTIONS:
+        parts.append(
+            _section_source(
+                _class_name(section), f"The `{section}.*` keys.", [_of(BASE_KEYS, section)], []
+            )
+        )
+    kinds: dict[str, list[tuple[Key, ...]]] = {k: [keys] for k, keys in KIND_KEYS.items()}
+    kinds[CUSTOM_KIND] = [CUSTOM.keys({}), CUSTOM.keys({"data.source": "digits"})]
+    for kind, variants in kinds.items():
+        name = "Custom" if kind == CUSTOM_KIND else _class_name(kind)
+        literal = "str" if kind == CUSTOM_KIND else f'Literal["{kind}"]'
+        what = "a model of your own" if kind == CUSTOM_KIND else f"model.kind={kind!r}"
+        parts.append(
+            _section_source(
+                f"{name}Model",
+                f"The `model.*` keys of {what}.",
+                [_of(keys, "model") for keys in variants],
+                [f"    kind: {literal}"],
+            )
+        )
+        parts.append(
+            _section_source(
+                f"{name}Data",
+                f"The `data.*` keys of {what}, and every source's (null with the others).",
+                [_of(keys, "data") for keys in variants],
+                [],
+                sources,
+            )
+        )
+    names = ["Custom" if k == CUSTOM_KIND else _class_name(k) for k in kinds]
+    model = " | ".join(f"{n}Model" for n in names)
+    data = " | ".join(f"{n}Data" for n in names)
+    shared = "\n".join(f"    {s}: {_class_name(s)}" for s in SHARED_SECTIONS)
+    parts.append(
+        "@dataclasses.dataclass(frozen=True, kw_only=True)\n"
+        "class RunConfig:\n"
+        '    """A checked config, section by section; `name` is the config file\'s."""\n\n'
+        f"    name: str\n{shared}\n    model: {model}\n    data: {data}"
+    )
+    by_kind = "".join(
+        f'    "{"custom" if k == CUSTOM_KIND else k}": ({n}Model, {n}Data),\n'
+        for k, n in zip(kinds, names, strict=True)
+    )
+    parts.append(
+        "# The model and data sections of each built-in kind, and of a model of your own.\n"
+        f"KINDS: dict[str, tuple[type, type]] = {{\n{by_kind}}}"
+    )
+    return "\n\n\n".join(parts) + "\n"
+
+
+def run_config(config: ml_collections.ConfigDict) -> sections.RunConfig:
+    """The checked config (after `validate`) as typed, frozen sections: each section's
+    declared keys, a key the config leaves out at its default (None where the config's data
+    source has no such key). Keys no declaration names (a model of your own's) stay in the
+    ConfigDict only."""
+
+    def section(cls: type, values: dict[str, Any]) -> Any:
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in values.items() if name in names})
+
+    values = {
+        name: config.get(name, ml_collections.ConfigDict()).to_dict()
+        for name in (*SHARED_SECTIONS, "model", "data")
+    }
+    kind = values["model"]["kind"]
+    # a checked kind that is not built in is a model of your own
+    model_section, data_section = sections.KINDS.get(kind, sections.KINDS["custom"])
+    shared = {
+        name: section(getattr(sections, _class_name(name)), values[name])
+        for name in SHARED_SECTIONS
+    }
+    return sections.RunConfig(
+        name=str(config.get("name", "")),
+        model=section(model_section, values["model"]),
+        data=section(data_section, values["data"]),
+        **shared,
+    )

@@ -24,11 +24,14 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """What a value must be: `text` in words (the config reference's), and a check that
-    returns None when a value is fine, else the message's "must be ..." part."""
+    """What a value must be: `text` in words (the config reference's), a check that
+    returns None when a value is fine, else the message's "must be ..." part, and the
+    Python type every value it passes has, as jaxkit/sections.py writes it (`int | None`,
+    `Literal["adamw", "sgd"]`): the typed sections are generated from it."""
 
     text: str
     check: Callable[[object], str | None]
+    annotation: str
 
     def __call__(self, value: object) -> str | None:
         return self.check(value)
@@ -99,6 +102,7 @@ def integer(low: int, high: int | None = None, *, nullable: bool = False) -> Rul
     """An int (not a bool) in [low, high), or null where `nullable`."""
     want = f"an integer ≥ {low}" if high is None else f"an integer in [{low}, {high})"
     want = f"null or {want}" if nullable else want
+    annotation = "int | None" if nullable else "int"
 
     def check(value: object) -> str | None:
         if value is None and nullable:
@@ -107,7 +111,7 @@ def integer(low: int, high: int | None = None, *, nullable: bool = False) -> Rul
             return f"must be {want}"
         return None if value >= low and (high is None or value < high) else f"must be {want}"
 
-    return Rule(want, check)
+    return Rule(want, check, annotation)
 
 
 def number(low: float, high: float | None = None, *, open_low: bool, open_high: bool) -> Rule:
@@ -126,12 +130,13 @@ def number(low: float, high: float | None = None, *, open_low: bool, open_high: 
         below = high is None or (value < high if open_high else value <= high)
         return None if above and below else f"must be {want}"
 
-    return Rule(f"a finite number {want}", check)
+    return Rule(f"a finite number {want}", check, "float")
 
 
 def one_of(*choices: str) -> Rule:
     want = f"one of {', '.join(choices)}"
-    return Rule(want, lambda value: None if value in choices else f"must be {want}")
+    literal = f"Literal[{', '.join(repr(choice) for choice in choices)}]".replace("'", '"')
+    return Rule(want, lambda value: None if value in choices else f"must be {want}", literal)
 
 
 def text(*, nullable: bool) -> Rule:
@@ -140,17 +145,21 @@ def text(*, nullable: bool) -> Rule:
     def check(value: object) -> str | None:
         return None if isinstance(value, str) or (nullable and value is None) else f"must be {want}"
 
-    return Rule(want, check)
+    return Rule(want, check, "str | None" if nullable else "str")
 
 
 def boolean() -> Rule:
     return Rule(
-        "true or false", lambda value: None if isinstance(value, bool) else "must be true or false"
+        "true or false",
+        lambda value: None if isinstance(value, bool) else "must be true or false",
+        "bool",
     )
 
 
 def null(why: str) -> Rule:
-    return Rule(f"null: {why}", lambda value: None if value is None else f"must be null: {why}")
+    return Rule(
+        f"null: {why}", lambda value: None if value is None else f"must be null: {why}", "None"
+    )
 
 
 def _mesh_axis(value: object) -> str | None:
@@ -159,7 +168,7 @@ def _mesh_axis(value: object) -> str | None:
     return None
 
 
-MESH_AXIS = Rule("an integer ≥ 1, or -1 to take the remaining devices", _mesh_axis)
+MESH_AXIS = Rule("an integer ≥ 1, or -1 to take the remaining devices", _mesh_axis, "int")
 
 
 def _token_path(value: object) -> str | None:
@@ -171,7 +180,9 @@ def _token_path(value: object) -> str | None:
     )
 
 
-TOKEN_PATH = Rule("a prepared directory, a token file, a directory of them or a glob", _token_path)
+TOKEN_PATH = Rule(
+    "a prepared directory, a token file, a directory of them or a glob", _token_path, "str"
+)
 
 
 def _text_file(value: object) -> str | None:
@@ -188,7 +199,9 @@ def _text_file(value: object) -> str | None:
     return None
 
 
-TEXT_FILE = Rule("null (the default corpus) or a non-empty local file", _text_file)
+TEXT_FILE = Rule(
+    "null (the default corpus) or a non-empty local file", _text_file, "str | None"
+)
 
 POSITIVE = integer(1)
 COUNT = integer(0)  # 0 has a documented meaning (off, or every row)

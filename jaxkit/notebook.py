@@ -141,7 +141,7 @@ def start_jax(host_devices: int = HOST_DEVICES) -> str:
     """
     import jax
 
-    from jaxkit import compile_cache
+    from jaxkit.plan import compile_cache
 
     runtime = detect_runtime()
     compile_cache.enable()  # a rerun cell or a restarted runtime compiles nothing twice

@@ -16,7 +16,8 @@ from unittest import mock
 
 import jax
 
-from jaxkit import cli, compile_cache
+from jaxkit import cli
+from jaxkit.plan import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a command may change for the rest of the process, and the tests after it would see:

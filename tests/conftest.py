@@ -67,8 +67,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 # jaxkit caches the measured CPU matmul peak (MFU's denominator) and the programs it
-# compiles in $JAXKIT_CACHE_DIR (jaxkit/peak.py, jaxkit/compile_cache.py). The tests get one
-# directory of their own for the session, set here at import so the CLI subprocesses and
+# compiles in $JAXKIT_CACHE_DIR (jaxkit/plan/peak.py, jaxkit/plan/compile_cache.py). The tests
+# get one directory of their own for the session, set here at import so the CLI subprocesses and
 # pytest-xdist's workers (started after this runs, in the controlling process) inherit it:
 # the user's ~/.cache/jaxkit is never read or written, each device count is measured once
 # per session, a program many tests compile (the tiny LM's step) is compiled once, and the
@@ -79,7 +79,7 @@ SESSION_CACHE_DIR = os.environ["JAXKIT_TEST_SESSION_CACHE"]
 os.environ["JAXKIT_CACHE_DIR"] = SESSION_CACHE_DIR
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # a developer's own stays out of the tests
 
-from jaxkit import compile_cache  # noqa: E402  (after the variables it reads)
+from jaxkit.plan import compile_cache  # noqa: E402  (after the variables it reads)
 
 compile_cache.enable()
 

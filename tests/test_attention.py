@@ -18,10 +18,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkit import attention
 from jaxkit import mesh as mesh_lib
 from jaxkit.config import ConfigError, apply_overrides, load_config
-from jaxkit.models import build_model
+from jaxkit.models import attention, build_model
 
 # Splash's blocks are 128 positions: the shortest row it takes.
 B, L, H, G, K = 2, 128, 4, 2, 16
@@ -183,7 +182,7 @@ def test_auto_picks_per_backend_and_dtype(backend, dtype, seq_len, fused, kernel
 
 
 def test_the_backend_of_live_and_described_devices():
-    from jaxkit.targets import parse_target, target_devices
+    from jaxkit.plan.targets import parse_target, target_devices
 
     assert attention.backend_of(jax.devices()[0]) == "cpu"
     assert attention.backend_of(target_devices(parse_target("v5litepod-8"))[0]) == "tpu"
@@ -257,10 +256,10 @@ def test_splash_compiles_for_a_tpu_and_holds_no_attention_probabilities():
     kernel, and holds less than the (rows × heads × L × L) float32 probabilities that xla
     keeps for the backward pass (measured: 7.1 MiB of temporaries per chip, against
     34.7 MiB with model.attention=xla)."""
-    from jaxkit import costs
-    from jaxkit.batch_schedule import plan_from_config
-    from jaxkit.targets import parse_target, target_devices
-    from jaxkit.train_step import build
+    from jaxkit.batch.schedule import plan_from_config
+    from jaxkit.plan import costs
+    from jaxkit.plan.targets import parse_target, target_devices
+    from jaxkit.step.train_step import build
 
     config = costs.split_config(network("llama", "data.seq_len=512"), 4, 1)  # auto
     plan = plan_from_config(config, {"data": 8, "fsdp": 1, "tensor": 1})
@@ -276,7 +275,7 @@ def test_a_resume_may_change_the_kernel_and_logs_it(tmp_path, monkeypatch):
     is an event in the log, and summary.json names the kernel that ran. The bookkeeping is
     the claim here; xla stands in for the kernel itself, whose numbers the tests above check
     (interpreted, its train step took 12 s to compile)."""
-    from jaxkit.loop import train
+    from jaxkit.train.loop import train
 
     def run(*overrides, **kw):
         # One row on one device: one step program, and no noise-scale one (it takes a row

@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from jaxkit import batch_plan
-from jaxkit.batch_plan import BatchPlanError, make_batch_plan, splits_table
+from jaxkit.batch import plan as batch_plan
+from jaxkit.batch.plan import BatchPlanError, make_batch_plan, splits_table
 
 
 def plan(devices, global_=None, per_device=None, accum=None, **kw):

@@ -11,13 +11,14 @@ import optax
 import pytest
 from test_equivalence import LOSS_RTOL, PARAM_ATOL
 
-from jaxkit import cli, costs, report
-from jaxkit.batch_plan import BatchPlanError
-from jaxkit.batch_schedule import auto_decision, parse_stages, schedule_from_config
-from jaxkit.checkpoint import CheckpointError
-from jaxkit.config import ConfigError, apply_overrides, load_config
-from jaxkit.loop import train
-from jaxkit.validate import validate
+from jaxkit import cli
+from jaxkit.batch.plan import BatchPlanError
+from jaxkit.batch.schedule import auto_decision, parse_stages, schedule_from_config
+from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.plan import costs
+from jaxkit.records import report
+from jaxkit.train.checkpoint import CheckpointError
+from jaxkit.train.loop import train
 
 SHAPE_8 = {"data": 8, "fsdp": 1, "tensor": 1}
 # mlp_digits on 8 devices × 4 rows: micro-batch 32, so K = 1, 2, 4 over the stages.

@@ -12,16 +12,18 @@ import numpy as np
 import optax
 import pytest
 
-from jaxkit import costs, loop_pieces, noise_scale
-from jaxkit import loop as loop_lib
-from jaxkit.batch_schedule import plan_from_config, schedule_from_config
-from jaxkit.checkpoint import Checkpointer, CheckpointError, abstract_state, empty_accumulator
+from jaxkit.batch import noise_scale
+from jaxkit.batch.schedule import plan_from_config, schedule_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import make_sources, stream_rows
-from jaxkit.loop import train
+from jaxkit.data.sources import make_sources, stream_rows
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.metrics import read_metrics
-from jaxkit.train_step import build
+from jaxkit.plan import costs
+from jaxkit.records.metrics import read_metrics
+from jaxkit.step.train_step import build
+from jaxkit.train import loop as loop_lib
+from jaxkit.train import loop_pieces
+from jaxkit.train.checkpoint import Checkpointer, CheckpointError, abstract_state, empty_accumulator
+from jaxkit.train.loop import train
 
 # Same tolerance and reasoning as test_equivalence: a different device count sums the same
 # per-example gradients in another order, a few ulps per step.
@@ -732,7 +734,7 @@ def test_small_replicated_arrays_are_saved_whole_without_compiling_a_slice_each(
     whole by one replica (nothing is lowered during the save), and read back the same."""
     import orbax.checkpoint as ocp
 
-    from jaxkit.checkpoint import REPLICA_PARALLEL_MIN_BYTES, _manager
+    from jaxkit.train.checkpoint import REPLICA_PARALLEL_MIN_BYTES, _manager
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -871,3 +873,50 @@ def test_another_model_s_refusal_names_the_params_not_an_accumulator(tmp_path):
     message = str(refused.value)
     assert "params.hidden.0.kernel: saved (64, 8), model wants (64, 16)" in message, message
     assert "acc_grads" not in message, message
+
+
+# A workdir written by jaxkit before the typed config sections (tests/data/lm_before_sections/
+# make.py): a transformer LM on synthetic tokens, 1 device, K = 2, stopped after step 2 of 4.
+LM_BEFORE_SECTIONS = Path(__file__).parent / "data" / "lm_before_sections"
+LM_BEFORE_SECTIONS_OVERRIDES = [
+    "model.vocab_size=32",
+    "model.d_model=16",
+    "model.num_heads=2",
+    "model.mlp_dim=32",
+    "model.num_layers=1",
+    "data.seq_len=16",
+    "data.source=synthetic",
+    "data.num_examples=256",
+    "batch.global_batch_size=8",
+    "batch.per_device_batch_size=4",
+    "train.steps=4",
+    "train.log_every=1",
+    "train.eval_every=2",
+    "checkpoint.every=0",
+    "train.noise_scale_every=0",
+]
+
+
+def test_a_run_saved_before_the_typed_sections_resumes_unchanged(tmp_path):
+    """Its saved config resumes as it ran (no key refused, none read differently), and the
+    resumed run ends where an uninterrupted one of today's code does."""
+    config = load_config("lm_tiny")
+    apply_overrides(config, LM_BEFORE_SECTIONS_OVERRIDES)
+    full = run(config, tmp_path / "full", devices=1)
+    workdir = tmp_path / "old"
+    shutil.copytree(LM_BEFORE_SECTIONS, workdir)
+    messages = []
+    resumed = train(
+        config, workdir, devices=jax.devices()[:1], progress=False, echo=messages.append
+    )
+    assert any("resum" in m and "step 2" in m for m in messages), messages
+    assert int(resumed.state.step) == 4
+    worst = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(leaves(full.state.params), leaves(resumed.state.params), strict=True)
+    )
+    assert worst < PARAM_ATOL, worst
+    records = [r for r in read_metrics(workdir) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # steps 1 and 2 by the old run
+    saved = json.loads((LM_BEFORE_SECTIONS / "config.json").read_text())
+    assert json.loads((workdir / "config.json").read_text()) == saved  # read, not rewritten

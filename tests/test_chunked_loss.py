@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkit import costs
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
-from jaxkit.loop import train
+from jaxkit.batch.schedule import plan_from_config
+from jaxkit.config import apply_overrides, load_config, validate
 from jaxkit.models import build_model, eval_sums, model_loss, token_cross_entropy
 from jaxkit.models.loss import chunking, row_sums
-from jaxkit.train_step import on_mesh
-from jaxkit.validate import validate
+from jaxkit.plan import costs
+from jaxkit.step.train_step import on_mesh
+from jaxkit.train.loop import train
 from tests.small_configs import SMALL_LM
 
 ROWS, LENGTH, VOCAB = 8, 20, 300
@@ -134,7 +133,7 @@ def test_chunked_eval_sums_match_the_whole_logits(family):
 
 
 def test_each_rows_sums_chunked_on_a_mesh_match_the_whole_logits():
-    """row_sums (lm-evaluation-harness's scores, jaxkit/lm_eval_model.py): each row's sums
+    """row_sums (lm-evaluation-harness's scores, jaxkit/generate/lm_eval_model.py): each row's sums
     apart, chunked on a data × fsdp mesh (each device's rows in a shard_map of their own),
     against each row's Σ weight × cross-entropy of the whole logits."""
     batch = a_batch(packed=False)

@@ -402,9 +402,10 @@ def test_max_per_device_batch_announces_each_compile_as_it_starts(capsys):
 
     import jax
 
-    from jaxkit import cli, costs
-    from jaxkit.batch_schedule import plan_from_config
+    from jaxkit import cli
+    from jaxkit.batch.schedule import plan_from_config
     from jaxkit.config import load_config
+    from jaxkit.plan import costs
 
     one = costs.split_config(load_config("mlp_digits"), 1, 1)  # what the search compiles first
     shape = {"data": 8, "fsdp": 1, "tensor": 1}

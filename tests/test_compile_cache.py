@@ -25,14 +25,14 @@ import pytest
 from small_configs import SMALL_LM
 
 from jaxkit import cli as cli_lib
-from jaxkit import compile_cache, costs, peak, targets
+from jaxkit.plan import compile_cache, costs, peak, targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["lm_tiny", *SMALL_LM, "train.steps=3", "train.log_every=1", "checkpoint.every=0"]
 # Wraps the loop so the run also writes its final params, as raw float32 bytes: two runs'
 # params then compare bit for bit.
 KEEP_PARAMS = """
-import jax, numpy as np, jaxkit.loop as loop
+import jax, numpy as np, jaxkit.train.loop as loop
 _train = loop.train
 def train(config, workdir, **kwargs):
     result = _train(config, workdir, **kwargs)
@@ -346,7 +346,7 @@ def test_a_refusal_is_cached_as_a_refusal(monkeypatch, tmp_path):
         raise costs.OutOfMemory("RESOURCE_EXHAUSTED: Used 20.00G of 15.75G hbm")
 
     monkeypatch.setattr(costs, "_compile", refuse)
-    from jaxkit.batch_schedule import plan_from_config
+    from jaxkit.batch.schedule import plan_from_config
     from jaxkit.config import load_config
     from jaxkit.mesh import resolve_mesh_shape
 

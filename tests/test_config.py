@@ -145,8 +145,8 @@ def test_base_config_and_the_rules_come_from_the_declaration():
 
 
 def test_a_resume_may_change_exactly_the_keys_declared_resumable():
-    from jaxkit.checkpoint import config_conflicts
     from jaxkit.config import all_keys, resumable
+    from jaxkit.train.checkpoint import config_conflicts
 
     saved = load_config("lm_tiny").to_dict()
     for key in all_keys():
@@ -181,7 +181,7 @@ RESUMABLE_EVERYWHERE = {
 # How a language model computes the same function: recomputation, the attention kernel,
 # the loss's chunks; and for a Llama the weights it started from (a resume reads its own).
 # data.mixture_stages: a resume checks it against the checkpoint's position instead (a
-# stage the saved position read must not change; jaxkit/mixture.py stage_changes).
+# stage the saved position read must not change; jaxkit/batch/mixture.py stage_changes).
 LM_RESUMABLE = {
     "model.remat",
     "model.attention",
@@ -199,8 +199,8 @@ RESUMABLE = {
     ("name", "kind"), [("lm_tiny", "transformer"), ("llama_tiny", "llama"), ("mlp_digits", "mlp")]
 )
 def test_a_resume_may_change_these_keys_of_each_model_kind_and_no_other(name, kind):
-    from jaxkit.checkpoint import config_conflicts
     from jaxkit.config import BASE_KEYS, KIND_KEYS, flatten
+    from jaxkit.train.checkpoint import config_conflicts
 
     config = load_config(name)
     assert config.model.kind == kind
@@ -211,8 +211,8 @@ def test_a_resume_may_change_these_keys_of_each_model_kind_and_no_other(name, ki
 
 
 def test_a_run_saved_before_a_key_existed_ran_as_its_added_default():
-    from jaxkit.checkpoint import config_conflicts
     from jaxkit.config import ADDED_DEFAULTS
+    from jaxkit.train.checkpoint import config_conflicts
 
     current = load_config("lm_tiny").to_dict()
     for name, added in ADDED_DEFAULTS.items():

@@ -11,12 +11,12 @@ import pytest
 from cli_run import jaxkit  # in-process: what the command prints and writes
 from flax import nnx
 
-from jaxkit import costs, peak
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.loop import train
 from jaxkit.models import build_model
-from jaxkit.train_step import abstract_params
+from jaxkit.plan import costs, peak
+from jaxkit.step.train_step import abstract_params
+from jaxkit.train.loop import train
 
 
 def _digits(*overrides):

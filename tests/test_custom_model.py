@@ -26,15 +26,14 @@ from test_equivalence import (
 )
 from test_loop import reference as eval_reference
 
-from jaxkit import cli, custom_model
-from jaxkit.batch_schedule import plan_from_config
-from jaxkit.config import ConfigError, apply_overrides, is_lm, load_config
-from jaxkit.costs import batch_row_spec
-from jaxkit.data import make_sources
+from jaxkit import cli
+from jaxkit.batch.schedule import plan_from_config
+from jaxkit.config import ConfigError, apply_overrides, is_lm, load_config, validate
+from jaxkit.data.sources import make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.models import check_mesh_divides
-from jaxkit.train_step import build
-from jaxkit.validate import validate
+from jaxkit.models import check_mesh_divides, custom_model
+from jaxkit.plan.costs import batch_row_spec
+from jaxkit.step.train_step import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIND = "model.kind=mymodel:make"

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from jaxkit.batch_plan import make_batch_plan
+from jaxkit.batch.plan import make_batch_plan
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import (
+from jaxkit.data.sources import (
     DataError,
     TokenWindows,
     global_batch_rows,

@@ -15,13 +15,13 @@ import pytest
 from flax import nnx
 from small_configs import SMALL_LM
 
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import global_batch_rows, make_sources
-from jaxkit.loop import train
+from jaxkit.data.sources import global_batch_rows, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.models import build_model
-from jaxkit.train_step import build
+from jaxkit.step.train_step import build
+from jaxkit.train.loop import train
 
 STEPS = 5
 # (devices, per-device batch, accumulation steps): all give a global batch of 32.

@@ -19,10 +19,10 @@ from token_dirs import padded_prompt_completion
 from tokenizers import Tokenizer as WordLevelTokenizer
 from tokenizers import models
 
-from jaxkit import data as data_lib
 from jaxkit.commands import evaluate
+from jaxkit.data import sources as data_lib
 from jaxkit.hf import names
-from jaxkit.train_step import _abstract_model
+from jaxkit.step.train_step import _abstract_model
 
 # lm_tiny holds out the last 5% of SMALL_LM's 60,000 bytes: rows of 16 bytes and the next.
 HELD_OUT_ROWS = (60_000 - int(60_000 * 0.95) - 1) // 16

@@ -13,7 +13,7 @@ from cli_run import jaxkit, python_c
 from jaxkit import experiments
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.experiments import common, equivalence
-from jaxkit.loop import train
+from jaxkit.train.loop import train
 
 
 def _digits(*overrides):
@@ -667,8 +667,8 @@ def test_memory_sweeps_accumulation_at_the_largest_batch_the_batch_sweep_found(
     # The config's per-device batch is 4. Either the sweep stops at 2, or a compiler (as a
     # TPU's does past its HBM) refuses more than 2 rows per device: accumulation is then
     # compiled at 2, not at a batch that was never found to fit.
-    from jaxkit import costs
     from jaxkit.experiments import memory
+    from jaxkit.plan import costs
 
     monkeypatch.setattr(memory, "ACCUM_SWEEP", (1, 2))  # two points make the claim
     top = 2

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxkit import costs
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.flops import hardware_flops
+from jaxkit.plan import costs
+from jaxkit.plan.flops import hardware_flops
 
 # lm_tiny's widths on a Llama block: large enough that matmuls dominate the step.
 LLAMA = ["model.num_layers=2", "data.seq_len=64", "data.max_bytes=60000"]
@@ -207,7 +207,7 @@ def test_tpu_programs_count_their_loops_and_convolutions():
     from jax.sharding import PartitionSpec as P
 
     from jaxkit.distributed import on_cloud_tpu_vm
-    from jaxkit.targets import parse_target, target_devices
+    from jaxkit.plan.targets import parse_target, target_devices
 
     devices = target_devices(parse_target("v5litepod-8"))
     # Describing a slice does not make this process (or the ones it starts) a TPU VM.
@@ -264,7 +264,7 @@ def test_tpu_windowed_matmuls_over_sharded_weights_count_each_trip():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxkit.targets import parse_target, target_devices
+    from jaxkit.plan.targets import parse_target, target_devices
 
     mesh = jax.make_mesh((8,), ("d",), devices=target_devices(parse_target("v5litepod-8")))
     rows, d_in, d_out = 8192, 1024, 4096
@@ -283,7 +283,7 @@ def test_tpu_windowed_matmuls_over_sharded_weights_count_each_trip():
 def test_tpu_fused_step_of_one_micro_step_runs_the_model_once():
     """Fused, K = 1, scanned layers across 2 data groups: compiled for a TPU, a scan of one
     micro-step ran the layer loops twice (2.33 hardware FLOPs per model FLOP)."""
-    from jaxkit.targets import parse_target, target_devices
+    from jaxkit.plan.targets import parse_target, target_devices
 
     config = load_config("llama_tiny")
     apply_overrides(
@@ -340,8 +340,8 @@ def test_tpu_fused_full_remat_step_counts_its_temporaries():
     the step is not planned as holding its state alone. (One block at half llama_tiny's
     widths is such a program, as two blocks are.)"""
     from jaxkit import mesh as mesh_lib
-    from jaxkit.targets import parse_target, target_devices
-    from jaxkit.train_step import build
+    from jaxkit.plan.targets import parse_target, target_devices
+    from jaxkit.step.train_step import build
 
     config = load_config("llama_tiny")
     apply_overrides(
@@ -397,8 +397,8 @@ def test_lm_1b_docstring_states_the_models_own_flops_and_the_step_time_they_give
     import importlib
     import re
 
-    from jaxkit.flops import model_flops_per_example
-    from jaxkit.peak import table_peak
+    from jaxkit.plan.flops import model_flops_per_example
+    from jaxkit.plan.peak import table_peak
 
     config = load_config("lm_1b")
     plan = plan_from_config(config, {"data": 1, "fsdp": 8, "tensor": 1})
@@ -409,4 +409,4 @@ def test_lm_1b_docstring_states_the_models_own_flops_and_the_step_time_they_give
     assert int(stated.group(2).replace(",", "")) == plan.tokens_per_step
     mfu = int(re.search(r"at (\d+)% MFU", doc).group(1)) / 100
     step_s = flops / (8 * table_peak("H100", "bfloat16").flops_per_s * mfu)
-    assert f"8 H100s (989 TFLOP/s bf16 each, jaxkit/peak.py), {step_s:.1f} s a step" in doc
+    assert f"8 H100s (989 TFLOP/s bf16 each, jaxkit/plan/peak.py), {step_s:.1f} s a step" in doc

@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 from small_configs import SMALL_LM
 
-from jaxkit import costs
-from jaxkit import loop as loop_lib
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import load_global_batch, load_micro_batch, make_sources
-from jaxkit.hlo import collectives, runs_per_call
-from jaxkit.loop import train
+from jaxkit.data.sources import load_global_batch, load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.train_step import build
+from jaxkit.plan import costs
+from jaxkit.plan.hlo import collectives, runs_per_call
+from jaxkit.step.train_step import build
+from jaxkit.train import loop as loop_lib
+from jaxkit.train.loop import train
 
 # Same reasoning as test_equivalence: the same per-example gradients summed in another
 # order (local scans, then one psum) differ by float32 round-off only.

@@ -43,8 +43,8 @@ def test_the_trace_samples_the_noise_scale_before_its_window_and_at_its_second_s
     # The first sampled step traces, lowers and compiles the noise-scale program (5.0 s
     # for lm_125m against a 0.79 s step): a step before the window takes that, so the
     # second traced step records what sampling costs a step.
+    from jaxkit.batch.noise_scale import samples_at
     from jaxkit.config import parse_profile_steps
-    from jaxkit.noise_scale import samples_at
 
     given = dict(o.split("=", 1) for o in _suite().trace_overrides("xla", 4, dry_run=False))
     steps = int(given["train.steps"])
@@ -59,7 +59,7 @@ def test_the_trace_samples_the_noise_scale_before_its_window_and_at_its_second_s
 
 def test_the_hand_loop_benchmark_explains_an_mfu_above_100_percent(monkeypatch):
     # gpu_lm125m.py --small measured MFU 97-132% on a busy CPU and said nothing of it.
-    from jaxkit.records import above_the_peak
+    from jaxkit.records.steps import above_the_peak
 
     monkeypatch.setattr("sys.argv", ["gpu_lm125m.py", "--small"])
     bench = load("benchmarks/gpu_lm125m.py")
@@ -83,6 +83,8 @@ def test_the_import_check_tells_the_extras_from_what_is_missing(tmp_path):
     found = _suite().imports(tmp_path)
     assert not found["ok"] and found["carried"] == []
     assert "ml-collections" in found["missing"] and "tensorboardx" in found["missing"]
-    assert found["extras"]["wandb"] == "the wandb extra, imported by jaxkit/wandb_log.py"
-    assert found["extras"]["lm_eval"] == "the eval extra, imported by jaxkit/lm_eval_model.py"
+    assert found["extras"]["wandb"] == "the wandb extra, imported by jaxkit/records/wandb_log.py"
+    assert (
+        found["extras"]["lm_eval"] == "the eval extra, imported by jaxkit/generate/lm_eval_model.py"
+    )
     assert not {"wandb", "lm_eval"} & set(found["missing"])

@@ -19,16 +19,17 @@ import safetensors.numpy
 from cli_run import jaxkit
 from token_dirs import prompt_completion_docs, write_prepared
 
-from jaxkit.batch_schedule import plan_from_config
-from jaxkit.checkpoint import Checkpointer
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import ConfigError, apply_overrides, load_config
-from jaxkit.data import Position
+from jaxkit.data.sources import Position
 from jaxkit.hf import load as hf_load
 from jaxkit.hf import names
-from jaxkit.loop import train
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.metrics import read_metrics
-from jaxkit.train_step import build
+from jaxkit.records.metrics import read_metrics
+from jaxkit.step.train_step import build
+from jaxkit.train.checkpoint import Checkpointer
+from jaxkit.train.loop import train
+from jaxkit.train.resume import initial_state
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # A Llama with GQA (4 query heads on 2 key/value heads), every dimension divisible by the
@@ -84,7 +85,7 @@ def paths_and_leaves(tree):
 def loaded_state(config, mesh_axes):
     mesh = make_mesh(mesh_axes)
     setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
-    return setup, hf_load.initial_state(config, setup)
+    return setup, initial_state(config, setup)
 
 
 @pytest.mark.parametrize(("scan", "files"), [(False, 1), (True, 3)])
@@ -683,9 +684,9 @@ def test_an_override_giving_the_default_head_width_agrees(tmp_path):
 def test_export_finds_a_tokenizer_prepare_was_given_relative_to_another_cwd(tmp_path, monkeypatch):
     from test_prepare import CORPUS, train_bpe
 
-    from jaxkit.data import make_sources
-    from jaxkit.hf.export import export_hf
-    from jaxkit.prepare import prepare
+    from jaxkit.data.prepare import prepare
+    from jaxkit.data.sources import make_sources
+    from jaxkit.generate.hf_export import export_hf
 
     (tmp_path / "a" / "tok").mkdir(parents=True)
     docs = "".join(json.dumps({"text": text}) + "\n" for text in CORPUS)

@@ -39,7 +39,7 @@ from jaxkit.hf import names
 from jaxkit.models import build_model
 from jaxkit.models.llama_net import inverse_frequencies
 from jaxkit.models.llama_shape import head_dim, rope_scaling
-from jaxkit.train_step import _abstract_model, on_mesh
+from jaxkit.step.train_step import _abstract_model, on_mesh
 
 LOGITS_ATOL = 1e-5  # see the module docstring
 REFERENCE = pathlib.Path(__file__).parent / "data" / "hf_reference"

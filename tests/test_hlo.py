@@ -15,10 +15,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from small_configs import SMALL_LM
 
-from jaxkit import costs
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.hlo import (
+from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.plan import costs
+from jaxkit.plan.hlo import (
     Collective,
     axes_spanned,
     bytes_per_call,
@@ -26,8 +27,7 @@ from jaxkit.hlo import (
     device_groups,
     runs_per_call,
 )
-from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.train_step import build
+from jaxkit.step.train_step import build
 
 SHAPE = {"data": 2, "fsdp": 2, "tensor": 2}
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkit import costs, llama
-from jaxkit.batch_schedule import plan_from_config
-from jaxkit.config import ConfigError, apply_overrides, load_config
-from jaxkit.flops import param_count
+from jaxkit.batch.schedule import plan_from_config
+from jaxkit.config import ConfigError, apply_overrides, load_config, validate
 from jaxkit.models import build_model, check_mesh_divides, contract
-from jaxkit.optimizer import decays
-from jaxkit.train_step import abstract_params
-from jaxkit.validate import validate
+from jaxkit.models import llama_net as llama
+from jaxkit.plan import costs
+from jaxkit.plan.flops import param_count
+from jaxkit.step.optimizer import decays
+from jaxkit.step.train_step import abstract_params
 
 TINY = [
     "model.d_model=32",
@@ -249,8 +249,8 @@ def test_bad_llama_values_name_their_key(overrides, message):
 
 
 def test_the_checkpoint_keys_default_to_what_runs_before_them_ran_as():
-    from jaxkit.checkpoint import config_conflicts
     from jaxkit.config import ADDED_DEFAULTS
+    from jaxkit.train.checkpoint import config_conflicts
 
     # flax's own RMSNorm epsilon, which every Llama before model.norm_eps used.
     assert nnx.RMSNorm(4, rngs=nnx.Rngs(0)).epsilon == ADDED_DEFAULTS["model.norm_eps"]
@@ -319,7 +319,7 @@ def test_key_value_heads_must_split_over_the_tensor_axis():
 def _run(config, workdir, **kw):
     """Trains on one device: the resume is under test, not the mesh (no collectives to
     compile)."""
-    from jaxkit.loop import train
+    from jaxkit.train.loop import train
 
     return train(
         config, workdir, devices=jax.devices()[:1], progress=False, echo=lambda *a: None, **kw
@@ -327,7 +327,7 @@ def _run(config, workdir, **kw):
 
 
 def test_remat_may_change_at_a_resume_scan_layers_may_not(tmp_path):
-    from jaxkit.checkpoint import CheckpointError
+    from jaxkit.train.checkpoint import CheckpointError
 
     steps = [
         *("train.steps=4", "train.log_every=1", "checkpoint.every=2", "optimizer.warmup_steps=1"),
@@ -365,7 +365,7 @@ def test_remat_may_change_at_a_resume_scan_layers_may_not(tmp_path):
 
 
 def test_a_run_saved_before_the_precision_keys_resumes_with_their_defaults():
-    from jaxkit.checkpoint import config_conflicts
+    from jaxkit.train.checkpoint import config_conflicts
 
     current = tiny().to_dict()
     older = tiny().to_dict()
@@ -439,7 +439,7 @@ def test_bfloat16_splits_agree_within_its_round_off(monkeypatch):
 
 @pytest.mark.parametrize("accumulation", ["multisteps", "fused"])
 def test_bfloat16_params_keep_a_float32_accumulator_and_optimizer_state(accumulation):
-    from jaxkit.loop import train
+    from jaxkit.train.loop import train
 
     config = tiny(
         "model.param_dtype=bfloat16",

@@ -1,4 +1,4 @@
-"""`jaxkit eval SOURCE --tasks T` (jaxkit/commands/evaluate.py, jaxkit/lm_eval_model.py):
+"""`jaxkit eval SOURCE --tasks T` (jaxkit/commands/evaluate.py, jaxkit/generate/lm_eval_model.py):
 lm-evaluation-harness on a run's checkpoint, offline, with tasks of its own that read local
 files (tests/data/lm_eval); what the harness gets checked against the model's own numbers."""
 
@@ -16,9 +16,9 @@ from cli_run import ROOT, jaxkit
 from flax import nnx
 from small_configs import SMALL_LM
 
-from jaxkit.checkpoint import restore_params
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.train_step import _abstract_model
+from jaxkit.step.train_step import _abstract_model
+from jaxkit.train.checkpoint import restore_params
 
 TASKS = "tests/data/lm_eval"
 MAX_LENGTH = 16  # the byte LM's learned positions: data.seq_len
@@ -151,7 +151,7 @@ def test_the_harness_gets_the_models_log_probabilities_and_samples_greedy_text(
 def test_is_greedy_needs_every_continuation_token_to_be_the_most_probable(run):
     """A continuation whose first token is its position's most probable and whose second
     is not is not greedy; with the second the most probable too, it is."""
-    from jaxkit.lm_eval_model import JaxkitLM
+    from jaxkit.generate.lm_eval_model import JaxkitLM
 
     lm = JaxkitLM(run)
     log_p = _next_log_probs(run)

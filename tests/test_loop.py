@@ -13,15 +13,15 @@ from cli_run import jaxkit
 from flax import nnx
 from small_configs import SMALL_LM
 
-from jaxkit import peak as peak_lib
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import make_sources
-from jaxkit.loop import evaluate, train
+from jaxkit.data.sources import make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.metrics import read_metrics
 from jaxkit.models import build_model
-from jaxkit.train_step import build
+from jaxkit.plan import peak as peak_lib
+from jaxkit.records.metrics import read_metrics
+from jaxkit.step.train_step import build
+from jaxkit.train.loop import evaluate, train
 
 # (devices, per-device batch): micro-batches of 32, 8, 8 and 1 rows; 270 held-out rows
 # divide none of them but 1 (the old eval read 256 of them on 8×4 and 264 on 2×4).

@@ -7,10 +7,10 @@ from cli_run import jaxkit
 from jax.sharding import PartitionSpec as P
 from small_configs import SMALL_LM
 
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.mesh import MeshError, make_mesh, mesh_shape, resolve_mesh_shape
-from jaxkit.train_step import build
+from jaxkit.step.train_step import build
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def _bytes_per_device(state) -> int:
 
 
 def test_fsdp_and_tensor_meshes_train_like_data_parallel_with_less_memory():
-    from jaxkit.loop import train
+    from jaxkit.train.loop import train
 
     runs = {}
     for shape in ((8, 1, 1), (2, 2, 2), (1, 4, 2)):
@@ -144,7 +144,7 @@ WIDE = [
 
 
 def compiled_cost(*overrides):
-    from jaxkit.costs import compile_setup_step
+    from jaxkit.plan.costs import compile_setup_step
 
     config = load_config("lm_tiny")
     apply_overrides(config, [*WIDE, *overrides])

@@ -6,8 +6,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxkit.config import ConfigError, apply_overrides, load_config, parse_profile_steps
-from jaxkit.loop import train
-from jaxkit.metrics import read_metrics
+from jaxkit.records.metrics import read_metrics
+from jaxkit.train.loop import train
 
 
 def digits_run(workdir, *overrides):
@@ -73,7 +73,7 @@ def test_metrics_of_an_interrupted_run_are_readable(tmp_path):
 
 
 def test_two_run_dirs_opened_in_the_same_second_keep_both_event_files(tmp_path):
-    from jaxkit.metrics import RunDir
+    from jaxkit.records.metrics import RunDir
 
     first = RunDir(tmp_path)
     first.log({"step": 1, "loss": 1.0})

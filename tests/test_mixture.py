@@ -1,4 +1,4 @@
-"""data.mixture: several token sources in one exact order (jaxkit/mixture.py). The order is
+"""data.mixture: several token sources in one exact order (jaxkit/batch/mixture.py). The order is
 checked as a function (counts per block, rows of a resume), then in training: a two-stage
 mixture on the seed's four splits of its global batch and resumed on fewer devices (the
 rows each reads, the model each trains), its refusals and what it records."""
@@ -15,10 +15,10 @@ from cli_run import jaxkit
 from test_equivalence import LOSS_RTOL, PARAM_ATOL, SEED_SPLITS, max_param_diff
 from token_dirs import write_prepared
 
-from jaxkit import data as data_lib
-from jaxkit import mixture
+from jaxkit.batch import mixture
 from jaxkit.config import ConfigError, apply_overrides, check_values, load_config
-from jaxkit.metrics import read_metrics
+from jaxkit.data import sources as data_lib
+from jaxkit.records.metrics import read_metrics
 
 # A one-layer Llama, 3 steps of 32 rows of 16 tokens on 8 CPU devices, one eval at the end.
 RUN = [
@@ -209,7 +209,7 @@ def test_a_resume_compares_the_stages_as_they_draw_rows(dirs):
     record how they were written: the smallest whole weights, which draw the same rows)."""
     import itertools
 
-    from jaxkit.checkpoint import config_conflicts
+    from jaxkit.train.checkpoint import config_conflicts
 
     configs = {name: _spelled(dirs, *spelling) for name, spelling in SPELLINGS.items()}
     facts, rows = {}, {}
@@ -405,7 +405,7 @@ def _reading():
 def _train(config, workdir, devices, **kw):
     import jax
 
-    from jaxkit.loop import train
+    from jaxkit.train.loop import train
 
     quiet = {"progress": False, "echo": lambda *a: None}
     return train(config, workdir, devices=jax.devices()[:devices], **quiet, **kw)
@@ -547,7 +547,7 @@ def test_a_stage_whose_rows_a_mid_step_save_holds_may_not_change(runs, dirs):
     rows 64-79 of that stage, which a resume continues: a change to it is refused (from
     the same position at a step boundary it would not be). The programs are the
     fixture's."""
-    from jaxkit.checkpoint import CheckpointError
+    from jaxkit.train.checkpoint import CheckpointError
 
     stopped = _train(_staged(dirs, 8), dirs / "mid", 2, stop_after_micro_steps=5)
     assert stopped.stopped and stopped.plan.grad_accum_steps == 2
@@ -565,7 +565,7 @@ def test_a_resume_on_other_tokens_names_the_source_that_changed(dirs, tmp_path):
     directory with other tokens (same counts) is named as what changed, web is not."""
     import shutil
 
-    from jaxkit.checkpoint import data_changes
+    from jaxkit.train.checkpoint import data_changes
 
     shutil.copytree(dirs / "web", tmp_path / "web")
     rng = np.random.default_rng(9)

@@ -182,8 +182,8 @@ def test_a_saved_config_keeps_its_dict_valued_keys():
     it was saved with (saved as its fields): model.rope_scaling was set to null, so a
     Llama 3.1 run was sampled and evaluated without its rotary scaling, and data.mixture
     was lost."""
-    from jaxkit.commands.source import _saved_config
     from jaxkit.config import apply_overrides, load_config
+    from jaxkit.generate.source import _saved_config
 
     config = load_config("llama_tiny")
     rope = {
@@ -203,7 +203,7 @@ def test_a_fractional_weight_may_replace_a_whole_one_field_by_field():
     own int field still refuses a fraction."""
     from fractions import Fraction
 
-    from jaxkit import mixture
+    from jaxkit.batch import mixture
     from jaxkit.config import ConfigError, apply_overrides, load_config
 
     config = load_config("llama_tiny")

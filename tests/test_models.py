@@ -135,10 +135,6 @@ def test_the_contract_describes_the_network_it_builds(kind):
 
 
 def test_the_networks_and_losses_keep_their_names_in_the_package():
-    from jaxkit import llama
-    from jaxkit.models import llama_net
-
-    assert llama.LlamaLM is llama_net.LlamaLM and llama.rotary is llama_net.rotary
     for name in ("TransformerLM", "MLPClassifier", "token_cross_entropy", "cross_entropy"):
         assert getattr(models, name).__name__ == name
     for name in ("logits_of", "weighted_loss", "build_model", "check_mesh_divides"):

@@ -16,7 +16,7 @@ import pytest
 from cli_run import jaxkit  # in-process: one process's run, as a new one would do it
 
 from jaxkit import distributed
-from jaxkit.workdir import LOCK_NAME, run_lock
+from jaxkit.train.lock import LOCK_NAME, run_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = [

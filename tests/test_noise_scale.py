@@ -10,16 +10,16 @@ from flax import nnx
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_equivalence import STEPS, reference_for, small_config
 
-from jaxkit import data as data_lib
-from jaxkit import loop_pieces
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.noise_scale import SMALL_BATCH_ROWS, NoiseScale, unbiased_estimates
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.loop import train
-from jaxkit.metrics import read_metrics
+from jaxkit.data import sources as data_lib
 from jaxkit.models import build_model, cross_entropy
-from jaxkit.noise_scale import SMALL_BATCH_ROWS, NoiseScale, unbiased_estimates
-from jaxkit.train_step import build
+from jaxkit.records.metrics import read_metrics
+from jaxkit.step.train_step import build
+from jaxkit.train import loop_pieces
+from jaxkit.train.loop import train
 
 # The logged estimates against ones recomputed from float32 gradients taken here: the
 # squared norms agree to ~2e-7 relative (summation order), and the |G|² estimate, a

@@ -30,13 +30,13 @@ from test_equivalence import (
 from test_multiprocess import finish, start
 from token_dirs import padded_prompt_completion
 
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import load_global_batch, load_micro_batch, make_sources
-from jaxkit.loop import train
+from jaxkit.data.sources import load_global_batch, load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.models import build_model
-from jaxkit.train_step import build
+from jaxkit.step.train_step import build
+from jaxkit.train.loop import train
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_two_processes_match_the_reference(padded, reference, tmp_path):
 def test_a_new_source_never_gets_an_old_ones_step_weight(tmp_path):
     """The step weight is cached for a step's K micro-steps: a second data set read at the
     same position (a notebook's next run) must get its own."""
-    from jaxkit.data import ArraySource, step_weight
+    from jaxkit.data.sources import ArraySource, step_weight
 
     targets = np.zeros((8, 4), np.int32)
     first = ArraySource(targets, targets, weights=np.ones((8, 4), np.float32))

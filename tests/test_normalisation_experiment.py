@@ -21,13 +21,13 @@ from test_experiments import _rows
 from token_dirs import padded_prompt_completion
 
 from jaxkit import experiments
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import global_batch_rows, make_sources
+from jaxkit.data.sources import global_batch_rows, make_sources
 from jaxkit.experiments import Split, normalisation
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.models import build_model
-from jaxkit.train_step import build
+from jaxkit.step.train_step import build
 
 SMALL = [*SMALL_LM, "batch.global_batch_size=32", "optimizer.warmup_steps=2"]
 # K = 1 on 8 devices and K = 8 on 4: the exact runs agree across both K and the device

@@ -1,12 +1,13 @@
-"""jaxkit.planning called in-process, as a notebook calls it: it answers what `jaxkit plan
+"""jaxkit.plan.planning called in-process, as a notebook calls it: it answers what `jaxkit plan
 --json` prints for the same request."""
 
 import json
 
 from small_configs import SMALL_LM
 
-from jaxkit import cli, planning
+from jaxkit import cli
 from jaxkit.config import load_config
+from jaxkit.plan import planning
 
 # Seconds a compile took and whether the cache served it: measured per call, not answers.
 TIMINGS = ("compile_s", "trace_s", "compile_cache_hit")

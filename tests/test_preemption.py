@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from cli_run import jaxkit, python_c
 
-from jaxkit.batch_schedule import plan_from_config
-from jaxkit.checkpoint import Checkpointer, abstract_state
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.metrics import read_metrics
-from jaxkit.train_step import build
+from jaxkit.records.metrics import read_metrics
+from jaxkit.step.train_step import build
+from jaxkit.train.checkpoint import Checkpointer, abstract_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 30
@@ -313,7 +313,8 @@ def test_ctrl_c_before_training_exits_130_even_inside_a_gc_callback(tmp_path):
 SIGTERM_AT_THE_SUMMARY = r"""
 import signal, sys
 
-from jaxkit import cli, loop
+from jaxkit import cli
+from jaxkit.train import loop
 
 real = loop.summarize
 

@@ -11,7 +11,7 @@ from test_batch_schedule import quiet, ramped, train_records
 from token_dirs import padded_prompt_completion
 
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.prefetch import Prefetcher
+from jaxkit.data.prefetch import Prefetcher
 
 
 class Loads:

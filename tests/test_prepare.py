@@ -1,4 +1,4 @@
-"""`jaxkit data prepare`: what it writes, read back independently of jaxkit/prepare.py."""
+"""`jaxkit data prepare`: what it writes, read back independently of jaxkit/data/prepare.py."""
 
 import functools
 import gzip
@@ -14,9 +14,10 @@ import pyarrow.parquet
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from jaxkit import cli, token_format
-from jaxkit import prepare as prepare_lib
-from jaxkit.prepare import PrepareError, expand_inputs, prepare
+from jaxkit import cli
+from jaxkit.data import prepare as prepare_lib
+from jaxkit.data import token_format
+from jaxkit.data.prepare import PrepareError, expand_inputs, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 META_KEYS = {  # token_format's list
@@ -589,7 +590,8 @@ def test_ctrl_c_midway_exits_130_and_leaves_nothing(tmp_path):
     # KeyboardInterrupt.
     script = f"""
 import os, signal, sys
-from jaxkit import cli, prepare
+from jaxkit import cli
+from jaxkit.data import prepare
 signal.signal(signal.SIGINT, signal.default_int_handler)
 close = prepare._SplitWriter._close_shard
 def close_then_interrupt(self):
@@ -819,7 +821,7 @@ def test_symlinked_directories_are_read_as_a_glob_reads_them_and_once(tmp_path):
 def test_bos_starts_every_document_before_its_prompt_and_is_recorded(tmp_path, capsys):
     from tokenizers import processors
 
-    from jaxkit import token_files
+    from jaxkit.data import token_files
 
     # Llama's tokenizer.json shape: a post-processor that puts <s> before every sequence.
     path = train_bpe(tmp_path / "plain.json", ["<s>", "</s>"])

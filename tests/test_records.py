@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxkit.records import format_summary
+from jaxkit.records.steps import format_summary
 
 
 def test_a_held_out_split_of_one_repeated_byte_is_summarised():
@@ -125,7 +125,7 @@ def test_a_step_that_scores_nothing_is_logged_with_no_loss(tmp_path, capsys):
 
     import numpy as np
 
-    from jaxkit.data import global_batch_rows
+    from jaxkit.data.sources import global_batch_rows
 
     docs = [UNSCORED] * 72 + [SCORED] * 8
     steps = 6

@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.loop import train
-from jaxkit.report import PLOTS, load_run, summary_row, summary_rows
+from jaxkit.records.report import PLOTS, load_run, summary_row, summary_rows
+from jaxkit.train.loop import train
 
 
 def tiny_run(workdir, per_device):

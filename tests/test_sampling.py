@@ -1,5 +1,5 @@
-"""Sampling (jaxkit/sampling.py, jaxkit/kv_cache.py): the cache against a full forward pass,
-the distribution each setting defines, and a seed's samples on other device counts."""
+"""Sampling (jaxkit/generate/sampling.py, jaxkit/models/kv_cache.py): the cache against a full
+forward pass, the distribution each setting defines, and a seed's samples on other device counts."""
 
 import json
 
@@ -13,8 +13,8 @@ from small_configs import SMALL_LM
 from test_hf_reference import HF_SHAPE, flax_logits, jaxkit_config, random_tensors, write_hf_dir
 
 from jaxkit import mesh as mesh_lib
-from jaxkit import sampling
 from jaxkit.config import apply_overrides, load_config
+from jaxkit.generate import sampling
 from jaxkit.models import build_model
 from jaxkit.models.common import Decoding
 
@@ -494,9 +494,8 @@ def test_recomputing_the_prefix_gives_the_tokens_the_cache_gives():
 def test_a_classifier_is_refused_in_one_line_as_a_source_of_text():
     """sample and the lm-eval model ask an opened SOURCE for its decoding contract; a
     classifier has none and is refused naming the source and its kind."""
-    from jaxkit.commands.common import UsageError
-    from jaxkit.commands.source import Source
-    from jaxkit.config import load_config
+    from jaxkit.config import UsageError, load_config
+    from jaxkit.generate.source import Source
 
     lm = Source(config=load_config("lm_tiny"), where="runs/lm", meta={})
     assert lm.decoding("unused").max_positions == lm.config.data.seq_len

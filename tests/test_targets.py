@@ -13,8 +13,8 @@ from cli_run import jaxkit  # in-process: these claims are about what a plan pri
 from small_configs import SMALL_LM
 from test_cli import jaxkit as jaxkit_process
 
-from jaxkit import targets
-from jaxkit.targets import TargetError, parse_target, target_devices
+from jaxkit.plan import targets
+from jaxkit.plan.targets import TargetError, parse_target, target_devices
 
 # The tiny LM shrunk further, at a global batch of 16: two splits on 8 chips (b = 2, 1).
 TINY = ["lm_tiny", *SMALL_LM, "batch.global_batch_size=16", "batch.per_device_batch_size=2"]
@@ -148,9 +148,9 @@ def test_max_per_device_batch_on_a_target_searches_with_the_tpu_compiler():
     # this MLP hardly grows with the batch, whose rows are 64 pixels.) The figures depend on
     # libtpu: about 1.0 and 2.6 MiB with jax 0.10's, 2.60 and 2.73 MiB with jax 0.12's
     # (docs/contributing.md#jax-012), so the budget is taken from them.
-    from jaxkit import costs
-    from jaxkit.batch_schedule import plan_from_config
+    from jaxkit.batch.schedule import plan_from_config
     from jaxkit.config import load_config
+    from jaxkit.plan import costs
 
     config = load_config("mlp_digits")
     devices = target_devices(parse_target("v5litepod-8"))

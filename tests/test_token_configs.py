@@ -10,22 +10,22 @@ import numpy as np
 import pytest
 from small_configs import SMALL_LM
 
-from jaxkit import docstrings
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.data import make_sources
-from jaxkit.loop import train
-from jaxkit.prepare import prepare
+from jaxkit.data import docstrings
+from jaxkit.data.prepare import prepare
+from jaxkit.data.sources import make_sources
+from jaxkit.train.loop import train
 
 SHRINK = [o for o in SMALL_LM if not o.startswith("data.max_bytes")]
 
 
 @pytest.fixture(scope="module")
 def docstrings_jsonl(tmp_path_factory):
-    """sft_tiny's first command, `python -m jaxkit.docstrings docstrings.jsonl`, run once
+    """sft_tiny's first command, `python -m jaxkit.data.docstrings docstrings.jsonl`, run once
     for the module: the pairs file and the finished process."""
     out = tmp_path_factory.mktemp("docstrings") / "docstrings.jsonl"
     done = subprocess.run(
-        [sys.executable, "-m", "jaxkit.docstrings", str(out)], capture_output=True, text=True
+        [sys.executable, "-m", "jaxkit.data.docstrings", str(out)], capture_output=True, text=True
     )
     return out, done
 

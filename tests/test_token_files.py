@@ -15,11 +15,10 @@ from flax import nnx
 from small_configs import SMALL_LM
 from token_dirs import write_prepared
 
-from jaxkit import token_files
-from jaxkit.config import ConfigError, apply_overrides, load_config
-from jaxkit.data import DataError, make_sources
+from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.data import token_files
+from jaxkit.data.sources import DataError, make_sources
 from jaxkit.models import build_model
-from jaxkit.validate import validate
 
 
 def lm_config(*overrides, name="lm_tiny"):
@@ -146,7 +145,7 @@ def test_document_mask_makes_each_packed_document_see_only_itself(kind, scan):
 def test_training_with_a_document_mask_and_padded_documents(tmp_path):
     docs = [([1, 2, 3], [4, 5, 6]), ([7, 8], [9, 10, 11, 12])] * 40
     write_prepared(tmp_path, {"train": docs, "eval": docs[:6]})
-    from jaxkit.loop import train
+    from jaxkit.train.loop import train
 
     for extra in (["data.document_mask=true"], ["data.rows=documents"]):
         config = lm_config(
@@ -399,7 +398,7 @@ def test_negative_ids_in_a_signed_npy_are_refused(tmp_path):
 def test_held_out_rows_that_score_nothing_are_refused_before_training(tmp_path):
     docs = [([1, 2, 3, 4, 5, 6], [7])] * 4  # seq_len 2: every row is prompt only
     write_prepared(tmp_path, {"train": [([1], [2, 3])] * 80, "eval": docs})
-    from jaxkit.loop import train
+    from jaxkit.train.loop import train
 
     config = lm_config("data.source=tokens", f"data.path={tmp_path}", "model.vocab_size=257",
                        "data.rows=documents", "data.seq_len=2")  # fmt: skip
@@ -517,9 +516,9 @@ def test_a_resume_on_re_prepared_tokens_is_refused_naming_what_changed(token_run
     finally:  # the fixture's data, as the run was trained on it
         assert prepare_cli(inputs, prepared, "--overwrite") == 0
     # The same inputs and options make the same fingerprint: this data resumes.
-    from jaxkit.checkpoint import data_changes
     from jaxkit.config import apply_overrides, load_config
-    from jaxkit.data import data_facts
+    from jaxkit.data.sources import data_facts
+    from jaxkit.train.checkpoint import data_changes
 
     saved = json.loads((workdir / "checkpoints" / "step_2" / "meta" / "metadata").read_text())
     config = load_config("lm_tiny")

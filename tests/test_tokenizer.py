@@ -1,4 +1,4 @@
-"""A pretrained model trains only on token ids its own tokenizer made (jaxkit/tokenizer.py),
+"""A pretrained model trains only on token ids its own tokenizer made (jaxkit/data/tokenizer.py),
 and a run records that tokenizer so that its export finds it from any directory.
 
 The model directories are small random Llamas (test_hf_io.write_hf) beside byte-level BPE
@@ -18,7 +18,7 @@ from test_hf_io import small_config, write_hf
 from test_prepare import CORPUS, train_bpe
 from tokenizers import Tokenizer
 
-from jaxkit.data import data_facts, make_sources
+from jaxkit.data.sources import data_facts, make_sources
 
 # The model's sizes (test_hf_io's SMALL, with room for the BPE's ids) and a one-step run of
 # one row per device: a run that starts trains for milliseconds.

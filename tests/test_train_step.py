@@ -2,13 +2,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import ConfigError, apply_overrides, load_config
-from jaxkit.data import load_micro_batch, make_sources
-from jaxkit.loop import train
+from jaxkit.data.sources import load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.records import NonFiniteLossError
-from jaxkit.train_step import build
+from jaxkit.records.steps import NonFiniteLossError
+from jaxkit.step.train_step import build
+from jaxkit.train.loop import train
 
 
 def digits(*overrides):

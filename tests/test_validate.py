@@ -9,10 +9,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxkit import config as config_lib
-from jaxkit.config import ConfigError, apply_overrides, flat_keys, load_config
+from jaxkit.config import ConfigError, apply_overrides, flat_keys, load_config, validate
 from jaxkit.models import check_mesh_divides, sharded_sizes
-from jaxkit.train_step import _abstract_model
-from jaxkit.validate import validate
+from jaxkit.step.train_step import _abstract_model
 
 
 def _refusal(config):

@@ -5,10 +5,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from matplotlib.figure import Figure
 
-from jaxkit import viz
-from jaxkit.batch_plan import make_batch_plan
-from jaxkit.data import global_batch_rows
+from jaxkit.batch.plan import make_batch_plan
+from jaxkit.data.sources import global_batch_rows
 from jaxkit.mesh import bytes_per_device, make_mesh, mesh_shape
+from jaxkit.records import viz
 
 
 def plan_on(mesh, global_batch_size, per_device_batch_size):

@@ -1,4 +1,5 @@
-"""Weights & Biases logging (jaxkit/wandb_log.py), read back from the files W&B itself writes.
+"""Weights & Biases logging (jaxkit/records/wandb_log.py), read back from the files W&B itself
+writes.
 
 The runs log with WANDB_MODE=offline under tmp_path: no network, no login. An offline run is
 a .wandb file of W&B's protobuf records, and `wandb.sdk.internal.datastore` is the only
@@ -19,10 +20,10 @@ from cli_run import jaxkit
 from wandb.proto import wandb_internal_pb2
 from wandb.sdk.internal import datastore
 
-from jaxkit import wandb_log
 from jaxkit.config import ConfigError, apply_overrides, load_config
-from jaxkit.loop import train
-from jaxkit.metrics import EVAL_TAGS, TRAIN_TAGS, read_metrics
+from jaxkit.records import wandb_log
+from jaxkit.records.metrics import EVAL_TAGS, TRAIN_TAGS, read_metrics
+from jaxkit.train.loop import train
 
 # Four optimizer steps of the digits MLP, a record every 2 and an eval every 3 (steps 3 and
 # 4): train and eval records at steps of their own and at the same step.

@@ -15,16 +15,16 @@ import sys
 import pytest
 from cli_run import jaxkit
 
-from jaxkit import loop
-from jaxkit import workdir as workdir_lib
 from jaxkit.config import apply_overrides, load_config
 from jaxkit.mesh import MeshError
-from jaxkit.workdir import LOCK_NAME, WorkdirInUseError, network_file_system, run_lock
+from jaxkit.train import lock as lock_lib
+from jaxkit.train import loop
+from jaxkit.train.lock import LOCK_NAME, WorkdirInUseError, network_file_system, run_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLD = """
 import sys, time
-from jaxkit.workdir import run_lock
+from jaxkit.train.lock import run_lock
 with run_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)
@@ -124,7 +124,7 @@ def test_a_url_or_network_workdir_gets_no_lock(tmp_path, monkeypatch):
     assert network_file_system("/mnt/shared2/runs/a", str(info)) is None
     assert network_file_system("/mnt/my disk/run", str(info)) is None
     assert network_file_system("/home/me/run", str(info)) is None
-    monkeypatch.setattr(workdir_lib, "network_file_system", lambda directory: "nfs4")
+    monkeypatch.setattr(lock_lib, "network_file_system", lambda directory: "nfs4")
     workdir = tmp_path / "run"
     with run_lock(workdir) as note, run_lock(workdir) as again:  # no lock to refuse the second
         assert (

@@ -20,11 +20,12 @@ from fsspec.implementations.memory import MemoryFileSystem
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxkit import cli, loop
-from jaxkit.checkpoint import Checkpointer, CheckpointError
+from jaxkit import cli
 from jaxkit.config import ConfigError, apply_overrides, load_config
-from jaxkit.metrics import RunDir, read_metrics
-from jaxkit.report import PLOTS
+from jaxkit.records.metrics import RunDir, read_metrics
+from jaxkit.records.report import PLOTS
+from jaxkit.train import loop
+from jaxkit.train.checkpoint import Checkpointer, CheckpointError
 from jaxkit.workdir import absolute, as_path, missing_gcs_support
 
 URL = "gs://bucket/run"

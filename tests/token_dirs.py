@@ -6,7 +6,7 @@ import pathlib
 
 import numpy as np
 
-from jaxkit import token_format as fmt
+from jaxkit.data import token_format as fmt
 
 
 def write_prepared(

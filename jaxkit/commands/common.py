@@ -12,8 +12,11 @@ import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from jaxkit.config import UsageError as UsageError  # raised by commands as common.UsageError
+from jaxkit.generate.source import HF_CONFIG
+
 if TYPE_CHECKING:
-    import ml_collections
+    pass
 
 DEFAULT_HOST_DEVICES = 8  # CPU devices simulated when no accelerator is present
 MAX_HOST_DEVICES = 1024  # simulated devices share this machine's cores and memory
@@ -100,47 +103,6 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def split_args(args: list[str]) -> tuple[str, list[str]]:
-    """[CONFIG] [key=value ...]: the config's name (the default where none is given) and
-    the overrides."""
-    from jaxkit.config import DEFAULT_CONFIG
-
-    if args and "=" not in args[0]:
-        return args[0], args[1:]
-    return DEFAULT_CONFIG, args
-
-
-def load_config(
-    args: list[str], workdir: str | None = None, notes: list[str] | None = None
-) -> ml_collections.ConfigDict:
-    """CONFIG with its overrides applied and every value checked (before JAX starts).
-    `workdir`: train's, where a checkpoint there makes this a resume. `notes` gets a line
-    for each value taken from elsewhere (model.vocab_size=null: the token files')."""
-    from jaxkit.config import apply_overrides
-    from jaxkit.config import load_config as load_named
-    from jaxkit.hf.load import apply_init_from
-    from jaxkit.token_files import take_vocabulary
-    from jaxkit.validate import validate
-
-    name, overrides = split_args(args)
-    config = load_named(name)
-    held: list[str] = []  # fields of a dict the config leaves null (model.rope_scaling.factor)
-    apply_overrides(config, overrides, held=held)
-    # model.init_from=hf:DIR: its architecture, or at a resume the checkpoint's, held against
-    # every override, a field of a dict against the same field of config.json's value
-    apply_init_from(config, overrides, workdir)
-    apply_overrides(config, held)  # on the dict config.json gave; still null: refused
-    taken = take_vocabulary(config)  # model.vocab_size=null: the token files' vocabulary
-    if taken is not None and notes is not None:
-        notes.append(taken)
-    validate(config)
-    return config
-
-
-class UsageError(ValueError):
-    """A command line that cannot be run as given (exit status 2)."""
-
-
 def error(err: Exception) -> int:
     """A user-facing refusal: one line on stderr, exit status 2, no traceback."""
     print(f"jaxkit: error: {err}", file=sys.stderr)
@@ -172,3 +134,44 @@ def check_can_write(path: str, flag: str) -> None:
 def default_dir(name: str) -> str:
     """runs/NAME-TIMESTAMP, where a run or an experiment writes unless told otherwise."""
     return os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+
+
+def add_source(parser: argparse.ArgumentParser, hf_note: str = "", hf_keys: str = "") -> None:
+    """SOURCE and its overrides, the command's positionals; `hf_keys` says what else an
+    hf:DIR's overrides may set."""
+    parser.add_argument(
+        "source",
+        type=directory,
+        metavar="SOURCE",
+        help="a run's workdir (its latest checkpoint, or --step N), or hf:DIR, a local "
+        f"Hugging Face Llama directory (run under {HF_CONFIG}'s config, its shape from "
+        f"config.json{hf_note})",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help=f"mesh.*, model.attention or model.compute_dtype only{hf_keys}",
+    )
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """--step, and the options of every command that starts JAX."""
+    parser.add_argument(
+        "--step",
+        type=int_at_least(0),
+        metavar="N",
+        help="a workdir's checkpoint of optimizer step N (default: the latest)",
+    )
+    parser.add_argument(
+        "--host-devices",
+        type=host_devices,
+        metavar="N",
+        help=f"simulate N devices on the CPU and run there (default: "
+        f"{DEFAULT_HOST_DEVICES} CPU devices, used when JAX finds no accelerator)",
+    )
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="compile every program afresh: do not read or write the persistent compilation cache",
+    )

@@ -8,7 +8,7 @@ from jaxkit.commands import common
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from jaxkit import prepare
+    from jaxkit.data import prepare
 
     data = sub.add_parser(
         "data",
@@ -102,7 +102,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(opts: argparse.Namespace) -> int:
-    from jaxkit.prepare import Fields, PrepareError, prepare, summary
+    from jaxkit.data.prepare import Fields, PrepareError, prepare, summary
 
     try:
         common.check_can_write(opts.out, "--out")

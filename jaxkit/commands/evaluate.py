@@ -3,7 +3,7 @@ directory, outside a run. The run's own eval (loop_pieces.evaluate) on the run's
 plan: on the run's held-out split at its final checkpoint, the summary's `eval_loss`.
 
 With `--tasks T[,T...]`, lm-evaluation-harness's tasks instead (the `eval` extra), the
-model driven through jaxkit/lm_eval_model.py."""
+model driven through jaxkit/generate/lm_eval_model.py."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 from jaxkit.commands import common
-from jaxkit.commands import source as source_lib
+from jaxkit.generate import source as source_lib
 
 if TYPE_CHECKING:
     import ml_collections
 
-    from jaxkit import data as data_lib
-    from jaxkit.batch_plan import BatchPlan
+    from jaxkit.batch.plan import BatchPlan
+    from jaxkit.data import sources as data_lib
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "       jaxkit eval SOURCE [key=value ...] --tasks T[,T...] [--limit N] "
         "[--num-fewshot K] [--include-path DIR] [--out PATH] [options]",
     )
-    source_lib.add_source(
+    common.add_source(
         parser,
         hf_note="; it needs --data",
         hf_keys=" (and data.seq_len, within its context, for hf:DIR)",
@@ -95,7 +95,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="write the harness's results to PATH as JSON, each document's requests and "
         "the model's responses under samples",
     )
-    source_lib.add_options(parser)
+    common.add_options(parser)
     return parser
 
 
@@ -117,12 +117,12 @@ def run(
     start_jax: Callable[[int | None, bool, bool], None],
 ) -> int:
     """`load_config` and `start_jax` are the CLI's (jaxkit/cli.py)."""
-    from jaxkit.batch_plan import BatchPlanError
-    from jaxkit.checkpoint import CheckpointError
+    from jaxkit.batch.plan import BatchPlanError
     from jaxkit.config import ConfigError
-    from jaxkit.data import DataError, TokenWindows
+    from jaxkit.data.sources import DataError, TokenWindows
+    from jaxkit.data.tokenizer import TokenizerError
     from jaxkit.mesh import MeshError
-    from jaxkit.tokenizer import TokenizerError
+    from jaxkit.train.checkpoint import CheckpointError
 
     if opts.tasks is not None:
         return _harness(opts, start_jax)
@@ -193,10 +193,10 @@ def _as_typed(message: str, data: str | None) -> str:
 
 def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bool], None]) -> int:
     """lm-evaluation-harness's tasks on the model: its table on stdout, --out its JSON."""
-    from jaxkit.checkpoint import CheckpointError
     from jaxkit.config import ConfigError
+    from jaxkit.data.tokenizer import TokenizerError
     from jaxkit.mesh import MeshError
-    from jaxkit.tokenizer import TokenizerError
+    from jaxkit.train.checkpoint import CheckpointError
 
     try:
         for name in HELD_OUT_OPTIONS:
@@ -221,7 +221,7 @@ def _harness(opts: argparse.Namespace, start_jax: Callable[[int | None, bool, bo
         tasks = _task_manager(opts.tasks, opts.include_path)
         # Before anything reads a checkpoint: the device count is fixed when JAX starts.
         start_jax(opts.host_devices, False, not opts.no_compile_cache)
-        from jaxkit.lm_eval_model import JaxkitLM  # its errors are usage errors
+        from jaxkit.generate.lm_eval_model import JaxkitLM  # its errors are usage errors
 
         model = JaxkitLM(opts.source, *opts.overrides, step=opts.step)
         # The harness records the git commit of the directory it runs in with `git describe`,
@@ -337,10 +337,9 @@ def _held_out(source: source_lib.Source, path: str | None, examples: int) -> dat
     """The held-out split of `path` (data.path; None: the run's own data, where it was
     read, refused where it has changed since), checked against the model, its first
     `examples` rows scoring a target."""
-    from jaxkit import data as data_lib
-    from jaxkit.checkpoint import data_changes
-    from jaxkit.config import apply_overrides
-    from jaxkit.validate import validate
+    from jaxkit.config import apply_overrides, validate
+    from jaxkit.data import sources as data_lib
+    from jaxkit.train.checkpoint import data_changes
 
     config, saved = source.config, source.meta.get("data") or {}
     if source.hf_dir is None and path is not None:
@@ -387,7 +386,7 @@ def _eval_note(note: str, data_path: str, given: str | None) -> str:
     """The data layer's note on how it read `data_path` (--data `given`, named as typed), as
     an eval's: a run on nanoGPT's layout is told it trains on train.bin; an eval trains
     nothing, and says what it evaluates."""
-    from jaxkit import data as data_lib
+    from jaxkit.data import sources as data_lib
 
     named = f"--data {given}" if given is not None else data_path
     said = f"data: {named} is in nanoGPT's layout: its held-out val.bin is evaluated"
@@ -399,15 +398,15 @@ def _eval_note(note: str, data_path: str, given: str | None) -> str:
 def _split_by_fraction(config: Any) -> bool:
     """Whether data.path's held-out split is its last data.eval_fraction: text, and token
     files neither prepared nor in nanoGPT's layout (which hold out their own split)."""
-    from jaxkit import token_files
+    from jaxkit.data import token_files
 
     return config.data.source == "text" or token_files.held_out_by_fraction(str(config.data.path))
 
 
 def _check_tokenizer(source: source_lib.Source, trained: Any, train: Any, path: str) -> None:
     """Token data prepared with another tokenizer than the run's (their records, see
-    jaxkit/tokenizer.py): its ids are other tokens, at any vocabulary size."""
-    from jaxkit.tokenizer import BYTES
+    jaxkit/data/tokenizer.py): its ids are other tokens, at any vocabulary size."""
+    from jaxkit.data.tokenizer import BYTES
 
     unknown = "a tokenizer.json whose tokenizer_sha256 was not recorded"
 
@@ -436,8 +435,8 @@ def _evaluate(
     """The run's eval on the run's mesh here, in the micro-batches of the run's plan at the
     checkpoint: the same batches, summed in the same order, on the same device count."""
     from jaxkit import mesh as mesh_lib
-    from jaxkit.loop_pieces import evaluate
-    from jaxkit.train_step import abstract_params, build
+    from jaxkit.step.train_step import abstract_params, build
+    from jaxkit.train.loop_pieces import evaluate
 
     config = source.config
     mesh = source_lib.make_mesh(config, overrides)
@@ -456,9 +455,9 @@ def _eval_plan(config: ml_collections.ConfigDict, shape: dict[str, int], meta: d
     """The run's plan at the checkpoint on this mesh (hf:DIR: the first a run of it would
     train with); where the run's global batch does not split over this mesh, its rows per
     device in one micro-step: an eval has no global batch to keep."""
-    from jaxkit.batch_plan import BatchPlanError, make_batch_plan
-    from jaxkit.batch_schedule import plan_from_config
-    from jaxkit.resume import saved_plan
+    from jaxkit.batch.plan import BatchPlanError, make_batch_plan
+    from jaxkit.batch.schedule import plan_from_config
+    from jaxkit.train.resume import saved_plan
 
     try:
         return saved_plan(config, shape, meta) if meta else plan_from_config(config, shape)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxkit.batch_plan import LR_SCALINGS
+from jaxkit.batch.plan import LR_SCALINGS
 from jaxkit.commands import common
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""`jaxkit export`: a run's checkpoint as a Hugging Face Llama directory (jaxkit/hf/export.py)."""
+"""`jaxkit export`: a run's checkpoint as a Hugging Face Llama directory
+(jaxkit/generate/hf_export.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from jaxkit.commands import common
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from jaxkit.hf.export import DTYPES
+    from jaxkit.generate.hf_export import DTYPES
 
     export = sub.add_parser(
         "export",
@@ -43,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(opts: argparse.Namespace) -> int:
     import jax
 
-    from jaxkit.checkpoint import CheckpointError
-    from jaxkit.hf.export import export_hf
+    from jaxkit.generate.hf_export import export_hf
+    from jaxkit.train.checkpoint import CheckpointError
 
     # The params are gathered on the host to be written: no accelerator is needed.
     jax.config.update("jax_platforms", "cpu")

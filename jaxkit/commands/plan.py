@@ -1,4 +1,4 @@
-"""`jaxkit plan`: prints what `jaxkit.planning` answers, as tables or as one JSON object."""
+"""`jaxkit plan`: prints what `jaxkit.plan.planning` answers, as tables or as one JSON object."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import jax
     import ml_collections
 
-    from jaxkit import costs, planning
+    from jaxkit.plan import costs, planning
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -68,7 +68,7 @@ def ignored_option(opts: argparse.Namespace) -> str | None:
 
 
 def model_line(m: dict[str, object]) -> str:
-    from jaxkit import costs
+    from jaxkit.plan import costs
 
     line = f"model: {m['kind']}, {m['param_count']:,} params"
     if "param_dtype" in m:
@@ -91,7 +91,7 @@ def run(
     opts: argparse.Namespace,
     devices: Sequence[jax.Device],
 ) -> int:
-    from jaxkit import planning
+    from jaxkit.plan import planning
 
     request = planning.request(
         config,
@@ -140,8 +140,8 @@ def _print_summary(summary: planning.Summary) -> None:
 def _all_splits(request: planning.Request, opts: argparse.Namespace) -> int:
     import tqdm
 
-    from jaxkit import costs, planning
-    from jaxkit.batch_plan import format_table
+    from jaxkit.batch.plan import format_table
+    from jaxkit.plan import costs, planning
 
     candidates = planning.candidate_splits(request, opts.device_counts)
     total = len(candidates.splits)
@@ -197,7 +197,7 @@ def _all_splits(request: planning.Request, opts: argparse.Namespace) -> int:
 
 
 def _max_batch(request: planning.Request, as_json: bool) -> int:
-    from jaxkit import costs, planning
+    from jaxkit.plan import costs, planning
 
     several = len(request.policies) > 1
     began = time.perf_counter()

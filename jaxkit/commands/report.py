@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(opts: argparse.Namespace) -> int:
-    from jaxkit.report import ReportError, write_report
+    from jaxkit.records.report import ReportError, write_report
 
     try:
         if opts.out is not None:

@@ -1,5 +1,5 @@
 """`jaxkit sample SOURCE`: text from a run's checkpoint or a Hugging Face directory
-(jaxkit/sampling.py generates it; the tokenizer is the run's or the directory's)."""
+(jaxkit/generate/sampling.py generates it; the tokenizer is the run's or the directory's)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ import argparse
 import json
 import pathlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jaxkit.commands import common
-from jaxkit.commands import source as source_lib
+from jaxkit.generate import source as source_lib
 
 if TYPE_CHECKING:
     import ml_collections
 
-REPLACEMENT = "\N{REPLACEMENT CHARACTER}".encode()
 DEFAULT_NEW_TOKENS = 128
 
 
@@ -48,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         usage="%(prog)s SOURCE [key=value ...] [--prompt TEXT ...] [--prompts FILE] [options]",
         description="Give one --prompt or more, a --prompts FILE, or both.",
     )
-    source_lib.add_source(sample)
+    common.add_source(sample)
     sample.add_argument(
         "--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)"
     )
@@ -109,7 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="one JSON object a sample: prompt, prompt_tokens, tokens, text, finish_reason",
     )
     sample.add_argument("--no-progress", action="store_true", help="no progress bar")
-    source_lib.add_options(sample)
+    common.add_options(sample)
     return sample
 
 
@@ -182,111 +181,16 @@ def _check_text(prompt: str, where: str) -> None:
         raise common.UsageError(f"{where} is not UTF-8 text ({what}): give it as UTF-8") from None
 
 
-class Tokenizer:
-    """Bytes, or a tokenizer.json; `bos_id` starts every prompt where the data's did."""
-
-    def __init__(self, path: pathlib.Path | None, bos_id: int | None = None, special: bool = False):
-        self.path, self.bos_id, self.special = path, bos_id, special
-        self._hf: Any = None
-        if path is not None:
-            from tokenizers import Tokenizer as HfTokenizer
-
-            from jaxkit.tokenizer import TokenizerError
-
-            try:
-                self._hf = HfTokenizer.from_file(str(path))
-            except Exception as err:  # the library raises a bare Exception for a bad file
-                said = " ".join(str(err).split())
-                raise TokenizerError(f"{path}: not a tokenizer.json that loads: {said}") from None
-
-    @property
-    def name(self) -> str:
-        return "bytes" if self.path is None else str(self.path)
-
-    def encode(self, text: str, start: bool = True) -> list[int]:
-        """`text`'s ids; where it `start`s a sequence, with what the tokenizer or the data put
-        first (a beginning-of-sequence id), else the text's own ids only."""
-        if self._hf is None:
-            ids = list(text.encode("utf-8"))
-        else:
-            ids = list(self._hf.encode(text, add_special_tokens=self.special and start).ids)
-        return ([self.bos_id] if self.bos_id is not None and start else []) + ids
-
-    def decode(self, ids: Sequence[int], after: Sequence[int] = ()) -> str:
-        """`ids`' text, as it reads after the ids `after` (a prompt's). A tokenizer.json's
-        decoder may read a token otherwise at a text's start than within it (a
-        SentencePiece-style "▁Paris" is "Paris" first, " Paris" after "is"): the text is
-        what decoding `after` + `ids` adds to `after`'s text, where it only adds."""
-        if self._hf is None:
-            raw = b"".join(bytes([i]) if i < 256 else REPLACEMENT for i in ids)
-            return raw.decode("utf-8", errors="replace")
-        alone = str(self._hf.decode(list(ids), skip_special_tokens=False))
-        if not after:
-            return alone
-        before = str(self._hf.decode(list(after), skip_special_tokens=False))
-        whole = str(self._hf.decode([*after, *ids], skip_special_tokens=False))
-        return whole[len(before) :] if whole.startswith(before) else alone
-
-
-def _eos_list(value: object) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
-
-
-def _run_tokenizer(meta: dict, config: ml_collections.ConfigDict, where: str) -> Tokenizer:
-    """The run's tokenizer, from the record its checkpoint holds (jaxkit/tokenizer.py)."""
-    from jaxkit import tokenizer as tokenizer_lib
-
-    data = meta.get("data") or {}
-    source = config.data.get("source")
-    record = data.get("tokenizer")
-    fingerprint = data.get("fingerprint") or {}
-    bos = fingerprint.get("bos_id")
-    if source == "text" or (isinstance(record, dict) and record.get("tokenizer") == "bytes"):
-        return Tokenizer(None, bos)
-    if source != "tokens":
-        raise common.UsageError(
-            f"{where} trained on data.source={source} ids, which no tokenizer turns into text"
-        )
-    if not isinstance(record, dict) or not record.get("tokenizer_file"):
-        raise common.UsageError(
-            f"{where} records no tokenizer file for its token data (data.tokenizer in its "
-            "checkpoint): its ids cannot be turned into text"
-        )
-    path = pathlib.Path(record["tokenizer_file"])
-    if not path.is_file():
-        raise common.UsageError(
-            f"{where}'s data was prepared with {path}, which is not there now: put it back"
-        )
-    expected = record.get("tokenizer_sha256")
-    if expected is not None:
-        try:
-            found = tokenizer_lib.file_sha256(path)
-        except tokenizer_lib.TokenizerError as err:
-            raise common.UsageError(str(err)) from None
-        if found != expected:
-            raise common.UsageError(
-                f"{path} is not the tokenizer {where}'s data was prepared with "
-                f"(tokenizer_sha256 {expected[:12]}... recorded, {found[:12]}... now)"
-            )
-    return Tokenizer(path, bos)
-
-
 def run(
     opts: argparse.Namespace,
     load_config: Callable[[list[str]], ml_collections.ConfigDict],
     start_jax: Callable[[int | None, bool, bool], None],
 ) -> int:
     """`load_config` and `start_jax` are the CLI's (jaxkit/cli.py)."""
-    from jaxkit.checkpoint import CheckpointError
     from jaxkit.config import ConfigError
+    from jaxkit.data.tokenizer import TokenizerError
     from jaxkit.mesh import MeshError
-    from jaxkit.tokenizer import TokenizerError
+    from jaxkit.train.checkpoint import CheckpointError
 
     try:
         source_lib.check_overrides(opts.overrides, "a sample")
@@ -295,7 +199,7 @@ def run(
         start_jax(opts.host_devices, False, not opts.no_compile_cache)
         # No data is read: synthetic ids hold no vocabulary to a floor (bytes would).
         source = source_lib.open_source(opts, load_config, ["data.source=synthetic"])
-        tokenizer, eos_ids = source_tokenizer(source)
+        tokenizer, eos_ids = source_lib.source_tokenizer(source)
         ids = [tokenizer.encode(p) for p in prompts]
         opts.max_new_tokens, ids = _check_prompts(
             prompts, ids, source, tokenizer, opts.max_new_tokens, opts.truncate_left
@@ -326,24 +230,6 @@ def run(
     return 0
 
 
-def source_tokenizer(source: source_lib.Source) -> tuple[Tokenizer, list[int]]:
-    """The source's tokenizer, and the ids that end a sample."""
-    from jaxkit.hf.load import read_hf_config
-
-    if source.hf_dir is not None:
-        hf_config = read_hf_config(source.hf_dir)
-        tokenizer_json = source.hf_tokenizer()
-        # The directory's own convention: its tokenizer adds what it adds (a BOS).
-        return Tokenizer(tokenizer_json, special=True), _eos_list(hf_config.get("eos_token_id"))
-    meta = source.meta
-    tokenizer = _run_tokenizer(meta, source.config, source.where)
-    data = meta.get("data") or {}
-    eos = _eos_list((data.get("fingerprint") or {}).get("eod_id"))
-    hf_source = meta.get("hf_source") or {}
-    eos += _eos_list((hf_source.get("config") or {}).get("eos_token_id"))
-    return tokenizer, eos
-
-
 def _said(prompt: str, most: int = 40) -> str:
     """A prompt as a refusal names it: its start, where it is long."""
     return repr(prompt if len(prompt) <= most else prompt[:most] + "...")
@@ -353,7 +239,7 @@ def _check_prompts(
     prompts: list[str],
     ids: list[list[int]],
     source: source_lib.Source,
-    tokenizer: Tokenizer,
+    tokenizer: source_lib.Tokenizer,
     asked: int | None,
     truncate_left: bool,
 ) -> tuple[int, list[list[int]]]:
@@ -422,7 +308,7 @@ def _check_prompts(
 def _generate(
     source: source_lib.Source, ids: list[list[int]], opts: argparse.Namespace, eos_ids: list[int]
 ) -> list[Any]:
-    from jaxkit import sampling
+    from jaxkit.generate import sampling
 
     config = source.config
     mesh = source_lib.make_mesh(config, opts.overrides)

@@ -50,8 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(config: ml_collections.ConfigDict, opts: argparse.Namespace) -> int:
     import jax
 
-    from jaxkit.loop import train
-    from jaxkit.records import NonFiniteLossError
+    from jaxkit.records.steps import NonFiniteLossError
+    from jaxkit.train.loop import train
     from jaxkit.workdir import absolute
 
     workdir = opts.workdir or common.default_dir(config.name)

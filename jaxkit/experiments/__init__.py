@@ -6,6 +6,8 @@ a partial report that says how far it got. Every unit is checked before the firs
 (`check_units`): a request the kit refuses creates no OUT, whichever unit it concerns.
 
 This module is the table of experiments; what they share is `jaxkit.experiments.common`.
+
+May import: train and everything below it.
 """
 
 from __future__ import annotations

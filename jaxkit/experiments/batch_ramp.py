@@ -20,8 +20,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from jaxkit.batch_plan import BatchPlanError
-from jaxkit.batch_schedule import check_auto_samples, plan_from_config, schedule_from_config
+from jaxkit.batch.plan import BatchPlanError
+from jaxkit.batch.schedule import check_auto_samples, plan_from_config, schedule_from_config
 from jaxkit.experiments.common import (
     ExperimentError,
     Report,
@@ -34,7 +34,7 @@ from jaxkit.experiments.common import (
     preamble,
     stopped_by,
 )
-from jaxkit.loop import train
+from jaxkit.train.loop import train
 
 DEFAULT_STEPS = 200  # optimizer steps of the small-batch run: the examples every run sees
 LARGEST = 4  # the large batch, and the ramps' top, as a multiple of the small one

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 import ml_collections
 import numpy as np
 
-from jaxkit.batch_plan import BatchPlanError
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.plan import BatchPlanError
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.experiments.common import (
     ExperimentError,
     Report,

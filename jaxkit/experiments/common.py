@@ -25,16 +25,15 @@ from etils import epath
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from jaxkit import data as data_lib
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import LR_SCALINGS, BatchPlan, BatchPlanError
-from jaxkit.batch_schedule import plan_from_config, schedule_from_config
-from jaxkit.config import ConfigError
-from jaxkit.costs import split_config
-from jaxkit.loop import RunResult, stop_requests, train
+from jaxkit.batch.plan import LR_SCALINGS, BatchPlan, BatchPlanError
+from jaxkit.batch.schedule import plan_from_config, schedule_from_config
+from jaxkit.config import ConfigError, validate
+from jaxkit.data import sources as data_lib
 from jaxkit.models import check_mesh_divides
-from jaxkit.train_step import check_on_mesh
-from jaxkit.validate import validate
+from jaxkit.plan.costs import split_config
+from jaxkit.step.train_step import check_on_mesh
+from jaxkit.train.loop import RunResult, stop_requests, train
 from jaxkit.workdir import write_text_atomic
 
 U = TypeVar("U")  # one unit of an experiment's work

@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxkit.costs import format_bytes
 from jaxkit.experiments.common import (
     ExperimentError,
     Report,
@@ -30,7 +29,8 @@ from jaxkit.experiments.common import (
     split_mesh,
     train_split,
 )
-from jaxkit.viz import loss_curve
+from jaxkit.plan.costs import format_bytes
+from jaxkit.records.viz import loss_curve
 
 DEFAULT_STEPS = 20
 F32_EPS = float(np.finfo(np.float32).eps)

@@ -17,10 +17,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from jaxkit import costs, rss
 from jaxkit import mesh as mesh_lib
-from jaxkit.batch_plan import Accumulation
-from jaxkit.batch_schedule import plan_from_config
+from jaxkit.batch.plan import Accumulation
+from jaxkit.batch.schedule import plan_from_config
 from jaxkit.experiments.common import (
     Report,
     Request,
@@ -30,7 +29,9 @@ from jaxkit.experiments.common import (
     powers_of_two,
     preamble,
 )
-from jaxkit.train_step import abstract_state, accumulator_layout, build
+from jaxkit.plan import costs
+from jaxkit.records import rss
+from jaxkit.step.train_step import abstract_state, accumulator_layout, build
 
 ACCUM_SWEEP = (1, 2, 4, 8)
 

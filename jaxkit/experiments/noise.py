@@ -1,7 +1,7 @@
 """The critical batch size, from the gradient noise scale measured while training.
 
 Trains the config as it is and reads the B_simple estimate every run logs (see
-jaxkit/noise_scale.py): |G|² and tr Σ from the small-batch and the accumulated gradient,
+jaxkit/batch/noise_scale.py): |G|² and tr Σ from the small-batch and the accumulated gradient,
 smoothed. B_simple is the batch at which gradient noise equals signal; well below it a
 bigger batch cuts the steps needed almost in proportion, well above it it mostly wastes
 examples (McCandlish et al. 2018).
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from jaxkit.batch.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
 from jaxkit.experiments.common import (
     ExperimentError,
     Report,
@@ -24,7 +25,6 @@ from jaxkit.experiments.common import (
     train_unit,
     unit_config,
 )
-from jaxkit.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
 
 DEFAULT_STEPS = 100
 

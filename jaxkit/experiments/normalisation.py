@@ -28,7 +28,7 @@ from etils import epath
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from jaxkit.data import NORMALISATIONS, make_sources, row_weight_sums, stream_rows
+from jaxkit.data.sources import NORMALISATIONS, make_sources, row_weight_sums, stream_rows
 from jaxkit.experiments.common import (
     ExperimentError,
     Report,
@@ -44,7 +44,7 @@ from jaxkit.experiments.common import (
     split_mesh,
     train_split,
 )
-from jaxkit.viz import FLOOR
+from jaxkit.records.viz import FLOOR
 from jaxkit.workdir import write_text_atomic
 
 DEFAULT_STEPS = 20

@@ -22,7 +22,6 @@ import jax
 import ml_collections
 from matplotlib.figure import Figure
 
-from jaxkit.costs import predicted_speed, split_config, with_remat
 from jaxkit.experiments.common import (
     Report,
     Request,
@@ -35,8 +34,9 @@ from jaxkit.experiments.common import (
     train_unit,
     unit_config,
 )
-from jaxkit.layers import REMAT_POLICIES, lm_option
 from jaxkit.models import contract
+from jaxkit.models.layers import REMAT_POLICIES, lm_option
+from jaxkit.plan.costs import predicted_speed, split_config, with_remat
 
 DEFAULT_STEPS = 6
 ACCUM_SWEEP = (1, 2, 4, 8)

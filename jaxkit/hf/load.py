@@ -7,7 +7,7 @@ contradicts it is refused, and the weight files' headers are checked (every tens
 with its shape; nothing the model would not read; never a pickle). At a resume the
 checkpoint's saved config gives the architecture instead, and the directory is not read
 at all (`saved_config`). At a fresh start,
-`initial_state` reads the weights: each process reads, from memory-mapped safetensors,
+`train.resume.initial_state` reads the weights: each process reads, from memory-mapped safetensors,
 only the slices its own devices hold (`jax.make_array_from_callback` with the train
 state's shardings), so beyond the devices' buffers host memory stays near one tensor's
 slice. The optimizer state starts fresh, and the run records what an export needs of the
@@ -36,7 +36,6 @@ from jaxkit.models import llama
 if TYPE_CHECKING:
     import jax
 
-    from jaxkit.train_step import Setup, TrainState
 
 PREFIX = "hf:"
 INDEX_NAME = "model.safetensors.index.json"
@@ -506,28 +505,3 @@ def check_architecture(config: ml_collections.ConfigDict, directory: pathlib.Pat
             f"model.init_from=hf:{directory}: the config's {', '.join(differing)} differ from "
             "its config.json: call jaxkit.hf.load.apply_init_from(config) first"
         )
-
-
-def initial_state(config: ml_collections.ConfigDict, setup: Setup) -> TrainState:
-    """The train state of a fresh run from model.init_from's weights: params cast to
-    model.param_dtype (bfloat16 to float32 is exact), a fresh optimizer state, micro-step 0,
-    each placed as setup.state_shardings says."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxkit.optimizer import float32
-    from jaxkit.train_step import TrainState, abstract_state
-
-    directory = source_dir(config)
-    assert directory is not None
-    check_architecture(config, directory)
-    target = abstract_state(setup)
-    params = load_params(directory, config.model, target.params, setup.state_shardings.params)
-    check_finite(directory, config.model, params)
-    init_opt: Callable[[Any], Any] = jax.jit(
-        lambda p: setup.tx.init(float32(p)), out_shardings=setup.state_shardings.opt_state
-    )
-    micro_step: jax.Array = jax.device_put(
-        jnp.zeros((), jnp.int32), setup.state_shardings.micro_step
-    )
-    return TrainState(params=params, opt_state=init_opt(params), micro_step=micro_step)

@@ -256,7 +256,7 @@ def model_keys_from_hf_config(
                 f"config.json {option}=true: jaxkit's Llama has no biases; this checkpoint "
                 "cannot be loaded"
             )
-    act = _field(cfg, "hidden_act", Rule("a string", _string), "silu")
+    act = _field(cfg, "hidden_act", Rule("a string", _string, "str"), "silu")
     if act != "silu":
         raise ConfigError(
             f"config.json hidden_act={act!r}: jaxkit's Llama MLP is SwiGLU (hidden_act 'silu')"

@@ -7,6 +7,9 @@ reads the LM options, and the facts a run records of it.
 
 The contracts load no JAX: the config reads them before JAX starts. The networks
 (`*_net.py`) and the loss (loss.py) load with flax, on first use of their names here.
+Beside them: the layers the LMs share, attention kernels, the key/value cache.
+
+May import: batch, keys, mesh, workdir.
 """
 
 from __future__ import annotations
@@ -76,11 +79,11 @@ class Contract(Protocol):
         ...
 
     def flops_per_example(self, config: ml_collections.ConfigDict, matmul_params: int) -> float:
-        """Training FLOPs (forward and backward) of one example (jaxkit/flops.py)."""
+        """Training FLOPs (forward and backward) of one example (jaxkit/plan/flops.py)."""
         ...
 
     def decoding(self, config: ml_collections.ConfigDict) -> Decoding | None:
-        """How it generates text (jaxkit/sampling.py); None: it cannot (a classifier)."""
+        """How it generates text (jaxkit/generate/sampling.py); None: it cannot (a classifier)."""
         ...
 
     def facts(self, config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -41,7 +41,7 @@ EVAL_FRACTION = Key(
 
 @dataclasses.dataclass(frozen=True)
 class Decoding:
-    """How a language model generates (jaxkit/sampling.py): by its own key/value cache
+    """How a language model generates (jaxkit/generate/sampling.py): by its own key/value cache
     (`cache`: its layers, key/value heads and head width, which the cache is shaped by),
     or, where it has none (a model of your own), by recomputing the whole prefix for each
     new token; and the most positions it takes, prompt included (None: no bound of its own)."""

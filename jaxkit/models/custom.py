@@ -1,5 +1,5 @@
 """model.kind="package.module:factory": a model of your own, built by its factory
-(jaxkit/custom_model.py imports, builds and checks it). A language model or a classifier
+(jaxkit/models/custom_model.py imports, builds and checks it). A language model or a classifier
 by its data; sharded as its params are annotated.
 """
 
@@ -67,7 +67,7 @@ def check_values(flat: Mapping[str, Any]) -> None:
 
 
 def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
-    from jaxkit import custom_model
+    from jaxkit.models import custom_model
 
     return custom_model.build(config, rngs)
 
@@ -78,14 +78,14 @@ def sharded_sizes(config: ml_collections.ConfigDict) -> Sizes:
 
 
 def check_shards(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
-    from jaxkit import custom_model
+    from jaxkit.models import custom_model
 
     custom_model.check_shards(config, mesh_shape)
 
 
 def check_model(config: ml_collections.ConfigDict) -> None:
     """Imports the factory and builds the model from shapes, checking its logits."""
-    from jaxkit import custom_model  # flax loads only for a model of your own
+    from jaxkit.models import custom_model  # flax loads only for a model of your own
 
     custom_model.check(config)
 

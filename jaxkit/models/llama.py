@@ -113,6 +113,7 @@ ROPE_SCALING = Rule(
     "null, or a dict: factor ≥ 1, 0 < low_freq_factor < high_freq_factor, "
     "original_max_position_embeddings",
     _rope_scaling_problem,
+    "dict[str, Any] | None",
 )
 
 # The model's sizes and the data it reads (required), and the options it may leave out.
@@ -166,7 +167,7 @@ KEYS: tuple[Key, ...] = (
     Key(
         "model.init_from",
         None,
-        Rule("null or hf:DIR", _init_from),
+        Rule("null or hf:DIR", _init_from, "str | None"),
         "null (random init) or `hf:DIR`, a local Hugging Face Llama directory (config.json, "
         "*.safetensors): its architecture and weights; read at a fresh start only",
         type=str,

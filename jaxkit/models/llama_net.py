@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit import attention, layers
-from jaxkit.kv_cache import Cache
 from jaxkit.mesh import RULES, constrain
-from jaxkit.models import llama_shape
+from jaxkit.models import attention, layers, llama_shape
+from jaxkit.models.kv_cache import Cache
 
 INIT_STDDEV = 0.02  # GPT-2's; residual outputs are scaled down further by depth
 
@@ -68,7 +67,7 @@ class LlamaBlock(nnx.Module):
         K = llama_shape.head_dim(m)
         self.num_heads, self.num_kv_heads, self.rope_theta = H, G, float(m.rope_theta)
         self.head_dim, self.rope_scaling = K, llama_shape.rope_scaling(m)
-        self.attention = layers.lm_option(m, "attention")  # the kernel (jaxkit/attention.py)
+        self.attention = layers.lm_option(m, "attention")  # the kernel (jaxkit/models/attention.py)
         eps = llama_shape.norm_eps(m)
         init = nnx.initializers.normal(INIT_STDDEV)
         # Each block adds two outputs to the residual stream: scaled so its variance stays

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
-from jaxkit import mixture
+from jaxkit.batch import mixture
 from jaxkit.keys import (
     COUNT,
     POSITIVE,
@@ -73,7 +73,7 @@ LM_OPTION_KEYS: tuple[Key, ...] = (
         added="none",
         resumable=True,
     ),
-    # The same attention by another kernel (jaxkit/attention.py); a run records the one that
+    # The same attention by another kernel (jaxkit/models/attention.py); a run records the one that
     # ran, and runs saved before the key ran xla.
     Key(
         "model.attention",
@@ -124,7 +124,8 @@ LM_OPTION_KEYS: tuple[Key, ...] = (
     Key(
         "data.mixture",
         None,
-        Rule("null, or {NAME: {path, weight}}", lambda value: None),  # checked field by field
+        # checked field by field
+        Rule("null, or {NAME: {path, weight}}", lambda value: None, "dict[str, Any] | None"),
         '`tokens`: several sources in place of data.path, {NAME: {"path": PATH, '
         '"weight": W}} (NAME `[a-z0-9_]+`, W > 0, normalised); JSON on the command line. '
         "Rows come in 32-row blocks, each holding every source's share (a small weight is "

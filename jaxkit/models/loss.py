@@ -90,7 +90,7 @@ def row_sums(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Ar
     """eval_sums of each row apart, (B,) each: a row's Σ weight × loss is minus the log-
     probability of its weighted targets (weights 0 or 1), and its Σ weight × hit equals its
     Σ weight where each of them is its position's most probable token (lm-evaluation-
-    harness's log-likelihood and is_greedy, jaxkit/lm_eval_model.py)."""
+    harness's log-likelihood and is_greedy, jaxkit/generate/lm_eval_model.py)."""
     w = batch["weights"]
     return {**_weighted_sums(model, batch, w, hits=True, rows=True), "weight": jnp.sum(w, -1)}
 

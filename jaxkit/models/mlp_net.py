@@ -11,8 +11,8 @@ import itertools
 import jax
 from flax import nnx
 
-from jaxkit import layers
 from jaxkit.mesh import constrain
+from jaxkit.models import layers
 
 _linear = layers.linear
 

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxkit import attention, layers
 from jaxkit.keys import ConfigError
-from jaxkit.kv_cache import Cache
 from jaxkit.mesh import RULES, constrain
+from jaxkit.models import attention, layers
+from jaxkit.models.kv_cache import Cache
 
 _linear = layers.linear
 
@@ -35,7 +35,7 @@ class Block(nnx.Module):
         rngs: nnx.Rngs,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
-        attention: str = "auto",  # the kernel (jaxkit/attention.py)
+        attention: str = "auto",  # the kernel (jaxkit/models/attention.py)
     ):
         self.num_heads, self.attention = num_heads, attention
         kw: dict[str, Any] = dict(dtype=dtype, param_dtype=param_dtype)

@@ -4,9 +4,9 @@ accumulator (mlp_digits, tiny, 1 device, K = 2), stopped 1 micro-step into step 
 import sys
 
 import jax
+from jaxkit.loop import train
 
 from jaxkit.config import apply_overrides, load_config
-from jaxkit.loop import train
 
 config = load_config("mlp_digits")
 apply_overrides(
