@@ -207,6 +207,7 @@ def _main(argv: list[str] | None) -> int:
 
     from jaxkit import mesh as mesh_lib
     from jaxkit.batch.plan import BatchPlanError
+    from jaxkit.config import run_config
     from jaxkit.data.sources import DataError
     from jaxkit.distributed import DistributedError
     from jaxkit.plan import planning
@@ -219,7 +220,7 @@ def _main(argv: list[str] | None) -> int:
         # TPU slice's): its shards must be even.
         described = opts.target if target is not None else None  # the parsed TPU slice
         devices = planning.devices_for(described)
-        shape = planning.mesh_shape(config, devices, described)
+        shape = planning.mesh_shape(run_config(config), devices, described)
         if opts.command == "plan":
             return plan.run(config, shape, opts, devices)
         if opts.command == "experiment":

@@ -772,7 +772,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     check_values(config)
     # Flax loads only for a model of your own (its contract builds it from shapes), as the
     # CLI checks every config before JAX starts.
-    contract(config).check_model(config)
+    typed = run_config(config, checked=True)
+    contract(typed).check_model(typed)
 
 
 # Typed sections: after validation, `run_config` turns the ConfigDict into a frozen RunConfig
@@ -804,12 +805,18 @@ def _union(first: str, second: str) -> str:
 
 
 def _section_source(
-    name: str, doc: str, variants: list[list[Key]], head: list[str], nullable: Sequence[Key] = ()
+    name: str,
+    doc: str,
+    variants: list[list[Key]],
+    head: list[str],
+    nullable: Sequence[Key] = (),
+    shared: Sequence[Key] = (),
 ) -> str:
     """A frozen dataclass of the keys of `variants` (the key sets a section may hold): a key
     every variant requires keeps its type; one with a default keeps it; one that only some
     variants declare, and each of `nullable` (a data source's own keys), is None where this
-    config's kind or source has none."""
+    config's kind or source has none; each of `shared` (an option other kinds declare) holds
+    its default, as code that serves every kind reads it."""
     fields: dict[str, tuple[str, str | None]] = {}
     optional: dict[str, str] = {}
     for keys in variants:
@@ -817,6 +824,9 @@ def _section_source(
             default = None if key.default is REQUIRED else _literal(key.default)
             annotation, first_default = fields.get(key.leaf, (key.rule.annotation, default))
             fields[key.leaf] = (_union(annotation, key.rule.annotation), first_default or default)
+    for key in shared:
+        if key.leaf not in fields:
+            fields[key.leaf] = (key.rule.annotation, _literal(key.default))
     for key in nullable:
         if key.leaf not in fields:
             known = optional.get(key.leaf, key.rule.annotation)
@@ -844,9 +854,11 @@ def _of(keys: Iterable[Key], section: str) -> list[Key]:
 
 
 def sections_module() -> str:
-    """The source of jaxkit/sections.py: a dataclass per config section, the model and data
-    sections one per model kind (`data`'s fields are its kind's and every source's keys:
-    a source's own keys are null with the others), and RunConfig of them all."""
+    """The source of jaxkit/sections.py: a dataclass per config section, and RunConfig of
+    them all. The model and data sections are one per model kind: a kind's own keys, typed
+    as it declares them; the options other kinds share (the LM options) at their defaults,
+    as code that serves every kind reads them; and in `data`, every source's keys and every
+    other kind's, null where the config's source or kind has none."""
     from jaxkit.models import CUSTOM
 
     sources = [key for keys in SOURCE_KEYS.values() for key in keys]
@@ -866,6 +878,16 @@ def sections_module() -> str:
         )
     kinds: dict[str, list[tuple[Key, ...]]] = {k: [keys] for k, keys in KIND_KEYS.items()}
     kinds[CUSTOM_KIND] = [CUSTOM.keys({}), CUSTOM.keys({"data.source": "digits"})]
+    # Options two or more kinds declare (the LM options): every kind's section holds them.
+    declaring: dict[str, list[Key]] = {}
+    for variants in kinds.values():
+        options = {k.name: k for keys in variants for k in keys if k.default is not REQUIRED}
+        for name, key in options.items():
+            declaring.setdefault(name, []).append(key)
+    shared_options = [keys[0] for keys in declaring.values() if len(keys) > 1]
+    every_data_key = [
+        k for variants in kinds.values() for keys in variants for k in _of(keys, "data")
+    ]
     for kind, variants in kinds.items():
         name = "Custom" if kind == CUSTOM_KIND else _class_name(kind)
         literal = "str" if kind == CUSTOM_KIND else f'Literal["{kind}"]'
@@ -876,15 +898,17 @@ def sections_module() -> str:
                 f"The `model.*` keys of {what}.",
                 [_of(keys, "model") for keys in variants],
                 [f"    kind: {literal}"],
+                shared=_of(shared_options, "model"),
             )
         )
         parts.append(
             _section_source(
                 f"{name}Data",
-                f"The `data.*` keys of {what}, and every source's (null with the others).",
+                f"The `data.*` keys of {what}; other sources' and kinds' are null.",
                 [_of(keys, "data") for keys in variants],
                 [],
-                sources,
+                [*sources, *every_data_key],
+                shared=_of(shared_options, "data"),
             )
         )
     names = ["Custom" if k == CUSTOM_KIND else _class_name(k) for k in kinds]
@@ -894,8 +918,16 @@ def sections_module() -> str:
     parts.append(
         "@dataclasses.dataclass(frozen=True, kw_only=True)\n"
         "class RunConfig:\n"
-        '    """A checked config, section by section; `name` is the config file\'s."""\n\n'
-        f"    name: str\n{shared}\n    model: {model}\n    data: {data}"
+        '    """A checked config, section by section; `name` is the config file\'s (None for one\n'
+        "    built in code). `config` is the ConfigDict it was made from: only a model of your\n"
+        "    own is handed it (whole, as docs/training.md says), and code that reads the sections\n"
+        '    never looks at it."""\n\n'
+        f"    name: str | None\n{shared}\n    model: {model}\n    data: {data}\n"
+        "    config: Any = dataclasses.field(default=None, compare=False, repr=False)"
+    )
+    parts.append(
+        "# Any kind's model and data sections, as a function that serves every kind takes them.\n"
+        f"Model = {model}\nData = {data}"
     )
     by_kind = "".join(
         f'    "{"custom" if k == CUSTOM_KIND else k}": ({n}Model, {n}Data),\n'
@@ -908,11 +940,14 @@ def sections_module() -> str:
     return "\n\n\n".join(parts) + "\n"
 
 
-def run_config(config: ml_collections.ConfigDict) -> sections.RunConfig:
-    """The checked config (after `validate`) as typed, frozen sections: each section's
-    declared keys, a key the config leaves out at its default (None where the config's data
-    source has no such key). Keys no declaration names (a model of your own's) stay in the
-    ConfigDict only."""
+def run_config(config: ml_collections.ConfigDict, *, checked: bool = False) -> sections.RunConfig:
+    """`config` as typed, frozen sections, its values checked first (`check_values`; a
+    ConfigError names the first bad key) unless `checked` says they were: each section's
+    declared keys, a key the config leaves out at its default (None where the config's kind
+    or data source has no such key). Keys no declaration names (a model of your own's) stay
+    in the ConfigDict only, which RunConfig.config holds for it."""
+    if not checked:
+        check_values(config)
 
     def section(cls: type, values: dict[str, Any]) -> Any:
         names = {field.name for field in dataclasses.fields(cls)}
@@ -930,8 +965,43 @@ def run_config(config: ml_collections.ConfigDict) -> sections.RunConfig:
         for name in SHARED_SECTIONS
     }
     return sections.RunConfig(
-        name=str(config.get("name", "")),
+        name=config.get("name"),
         model=section(model_section, values["model"]),
         data=section(data_section, values["data"]),
+        config=config,
         **shared,
     )
+
+
+def model_section(config: ml_collections.ConfigDict) -> sections.Model:
+    """The config's model section alone, typed (`run_config`'s, unchecked): for code that
+    reads the model before the rest of the config is complete (hf/: model.init_from's
+    architecture, taken from its config.json)."""
+    kind = config.model.kind
+    cls = sections.KINDS.get(kind, sections.KINDS["custom"])[0]
+    names = {field.name for field in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in config.model.to_dict().items() if k in names})
+
+
+def saved_config(saved: dict) -> ml_collections.ConfigDict:
+    """A checkpoint's config, with the keys added since it was saved at the values the run
+    ran as (config.py's `added`)."""
+    config = ml_collections.ConfigDict(saved)
+    flat = flatten(config)
+    source = SOURCE_KEYS.get(str(flat.get("data.source")), ())
+    for key in (*BASE_KEYS, *kind_of(str(flat["model.kind"])).keys(flat), *source):
+        # a dict-valued key (data.mixture) flattens to its fields: it was saved all the same
+        given = key.name in flat or any(k.startswith(key.name + ".") for k in flat)
+        if key.added is ALWAYS or given:
+            continue
+        section, leaf = key.name.split(".", 1)
+        if section not in config:
+            config[section] = ml_collections.ConfigDict()
+        config[section][leaf] = key.added
+    return config
+
+
+def saved_run_config(saved: dict[str, Any]) -> sections.RunConfig:
+    """The sections of a config saved with a run (its config.json, a checkpoint's record):
+    checked when it ran, so not again here (its data may have moved since)."""
+    return run_config(saved_config(saved), checked=True)

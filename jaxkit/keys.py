@@ -199,9 +199,7 @@ def _text_file(value: object) -> str | None:
     return None
 
 
-TEXT_FILE = Rule(
-    "null (the default corpus) or a non-empty local file", _text_file, "str | None"
-)
+TEXT_FILE = Rule("null (the default corpus) or a non-empty local file", _text_file, "str | None")
 
 POSITIVE = integer(1)
 COUNT = integer(0)  # 0 has a documented meaning (off, or every row)

@@ -105,7 +105,7 @@ class TransformerModel:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransformerData:
-    """The `data.*` keys of model.kind='transformer', and every source's (null with the others)."""
+    """The `data.*` keys of model.kind='transformer'; other sources' and kinds' are null."""
 
     source: Literal["text", "synthetic", "tokens"]
     seq_len: int
@@ -118,6 +118,7 @@ class TransformerData:
     path: str | None = None
     max_bytes: int | None = None
     num_examples: int | None = None
+    num_features: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,7 +148,7 @@ class LlamaModel:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaData:
-    """The `data.*` keys of model.kind='llama', and every source's (null with the others)."""
+    """The `data.*` keys of model.kind='llama'; other sources' and kinds' are null."""
 
     source: Literal["text", "synthetic", "tokens"]
     seq_len: int
@@ -160,6 +161,7 @@ class LlamaData:
     path: str | None = None
     max_bytes: int | None = None
     num_examples: int | None = None
+    num_features: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -170,16 +172,27 @@ class MlpModel:
     hidden_size: int
     num_layers: int
     num_classes: int
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots"] = "none"
+    attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
+    loss_chunk_tokens: int = 256
+    scan_layers: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MlpData:
-    """The `data.*` keys of model.kind='mlp', and every source's (null with the others)."""
+    """The `data.*` keys of model.kind='mlp'; other sources' and kinds' are null."""
 
     source: Literal["digits", "synthetic"]
     num_features: int
     eval_fraction: float
     seq_len: None = None
+    rows: Literal["windows", "documents"] = "windows"
+    document_mask: bool = False
+    mixture: dict[str, Any] | None = None
+    mixture_stages: str = ""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
     path: str | None = None
     max_bytes: int | None = None
     num_examples: int | None = None
@@ -191,16 +204,28 @@ class CustomModel:
 
     kind: str
     vocab_size: int | None = None
+    num_classes: int | None = None
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: Literal["none", "full", "dots"] = "none"
+    attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
+    loss_chunk_tokens: int = 256
+    scan_layers: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CustomData:
-    """The `data.*` keys of a model of your own, and every source's (null with the others)."""
+    """The `data.*` keys of a model of your own; other sources' and kinds' are null."""
 
     source: Literal["text", "synthetic", "tokens", "digits"]
     seq_len: int | None = None
     eval_fraction: float
     num_features: int | None = None
+    rows: Literal["windows", "documents"] = "windows"
+    document_mask: bool = False
+    mixture: dict[str, Any] | None = None
+    mixture_stages: str = ""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
     path: str | None = None
     max_bytes: int | None = None
     num_examples: int | None = None
@@ -208,9 +233,12 @@ class CustomData:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """A checked config, section by section; `name` is the config file's."""
+    """A checked config, section by section; `name` is the config file's (None for one
+    built in code). `config` is the ConfigDict it was made from: only a model of your
+    own is handed it (whole, as docs/training.md says), and code that reads the sections
+    never looks at it."""
 
-    name: str
+    name: str | None
     batch: Batch
     mesh: Mesh
     optimizer: Optimizer
@@ -219,6 +247,12 @@ class RunConfig:
     wandb: Wandb
     model: TransformerModel | LlamaModel | MlpModel | CustomModel
     data: TransformerData | LlamaData | MlpData | CustomData
+    config: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+
+# Any kind's model and data sections, as a function that serves every kind takes them.
+Model = TransformerModel | LlamaModel | MlpModel | CustomModel
+Data = TransformerData | LlamaData | MlpData | CustomData
 
 
 # The model and data sections of each built-in kind, and of a model of your own.

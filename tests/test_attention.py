@@ -6,6 +6,7 @@ cuDNN's kernel needs an NVIDIA GPU, so nothing here runs it (benchmarks/gpu_lm12
 --attention cudnn does).
 """
 
+import dataclasses
 import functools
 import json
 
@@ -19,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkit import mesh as mesh_lib
-from jaxkit.config import ConfigError, apply_overrides, load_config
+from jaxkit.config import ConfigError, apply_overrides, load_config, run_config
 from jaxkit.models import attention, build_model
 
 # Splash's blocks are 128 positions: the shortest row it takes.
@@ -143,7 +144,7 @@ def test_each_network_runs_splash_on_packed_documents_as_xla(kind, monkeypatch):
 
     def logits_and_grads(kernel):
         with nnx.use_eager_sharding(False):
-            model = build_model(network(kind, f"model.attention={kernel}"), nnx.Rngs(0))
+            model = build_model(run_config(network(kind, f"model.attention={kernel}")), nnx.Rngs(0))
         graphdef, params = nnx.split(model)
 
         def loss(params):
@@ -261,9 +262,11 @@ def test_splash_compiles_for_a_tpu_and_holds_no_attention_probabilities():
     from jaxkit.plan.targets import parse_target, target_devices
     from jaxkit.step.train_step import build
 
-    config = costs.split_config(network("llama", "data.seq_len=512"), 4, 1)  # auto
+    config = costs.split_config(run_config(network("llama", "data.seq_len=512")), 4, 1)  # auto
     plan = plan_from_config(config, {"data": 8, "fsdp": 1, "tensor": 1})
-    mesh = mesh_lib.make_mesh(config.mesh.to_dict(), target_devices(parse_target("v5litepod-8")))
+    mesh = mesh_lib.make_mesh(
+        dataclasses.asdict(config.mesh), target_devices(parse_target("v5litepod-8"))
+    )
     compiled, cost = costs.compile_setup_step(config, plan, build(config, plan, mesh))
     assert "tpu_custom_call" in compiled.as_text()
     probabilities = 4 * 4 * 512 * 512 * 4  # one layer's: 16 MiB per chip

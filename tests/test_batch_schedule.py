@@ -14,7 +14,7 @@ from test_equivalence import LOSS_RTOL, PARAM_ATOL
 from jaxkit import cli
 from jaxkit.batch.plan import BatchPlanError
 from jaxkit.batch.schedule import auto_decision, parse_stages, schedule_from_config
-from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.config import ConfigError, apply_overrides, load_config, run_config, validate
 from jaxkit.plan import costs
 from jaxkit.records import report
 from jaxkit.train.checkpoint import CheckpointError
@@ -75,15 +75,15 @@ def test_stages_parse_examples_scales_and_tokens():
 
 
 def test_each_stage_keeps_the_micro_batch_and_a_stage_that_does_not_divide_names_valid_ones():
-    schedule = schedule_from_config(ramped(), SHAPE_8)
+    schedule = schedule_from_config(run_config(ramped()), SHAPE_8)
     plans = [s.plan for s in schedule.stages]
     assert [p.global_batch_size for p in plans] == [32, 64, 128]
     assert [p.grad_accum_steps for p in plans] == [1, 2, 4]
     assert {(p.per_device_batch_size, p.micro_batch_size) for p in plans} == {(4, 32)}
     with pytest.raises(BatchPlanError, match=r"stage 256:80: .*Valid global_batch_size near 80"):
-        schedule_from_config(ramped("batch.schedule=0:32,256:80"), SHAPE_8)
+        schedule_from_config(run_config(ramped("batch.schedule=0:32,256:80")), SHAPE_8)
     with pytest.raises(BatchPlanError, match=r"disagrees with batch\.schedule's first stage"):
-        schedule_from_config(ramped("batch.global_batch_size=64"), SHAPE_8)
+        schedule_from_config(run_config(ramped("batch.global_batch_size=64")), SHAPE_8)
 
 
 def walk_by_hand(stages, steps=None, examples=None):
@@ -110,7 +110,7 @@ def walk_by_hand(stages, steps=None, examples=None):
 )
 def test_the_plan_table_counts_the_steps_a_run_makes_in_each_stage(text, length):
     config = ramped(f"batch.schedule={text}", "train.steps=null", length)
-    schedule = schedule_from_config(config, SHAPE_8)
+    schedule = schedule_from_config(run_config(config), SHAPE_8)
     steps = config.train.steps
     counts, seen = walk_by_hand(parse_stages(text, None), steps, config.train.examples)
     assert [s.steps for s in schedule.stages] == counts
@@ -132,7 +132,7 @@ def test_one_of_train_steps_and_train_examples():
 
 def test_a_fixed_batch_keeps_the_learning_rate_of_a_schedule_laid_over_steps():
     config = digits("optimizer.warmup_steps=10", "train.steps=200")
-    schedule = schedule_from_config(config, SHAPE_8)
+    schedule = schedule_from_config(run_config(config), SHAPE_8)
     plan = schedule.first
     by_step = optax.warmup_cosine_decay_schedule(
         init_value=plan.learning_rate / 10,
@@ -155,7 +155,7 @@ def test_a_ramp_scales_each_stage_peak_and_lays_warmup_and_decay_over_examples()
         "train.steps=null",
         "train.examples=3200",
     )
-    schedule = schedule_from_config(config, SHAPE_8)
+    schedule = schedule_from_config(run_config(config), SHAPE_8)
     base = config.optimizer.learning_rate
     assert [s.plan.learning_rate for s in schedule.stages] == pytest.approx(
         [base, base * math.sqrt(2), base * 2]
@@ -389,20 +389,20 @@ def test_a_resumed_auto_run_makes_the_same_decisions(tmp_path, auto_run, auto_st
 
 def test_auto_needs_two_batch_sizes_a_maximum_it_can_reach_and_a_length_in_examples():
     # K = 1 has two batch sizes too: the global batch's first row and the global batch.
-    k1 = schedule_from_config(auto("batch.per_device_batch_size=4"), SHAPE_8)
+    k1 = schedule_from_config(run_config(auto("batch.per_device_batch_size=4")), SHAPE_8)
     assert k1.first.grad_accum_steps == 1
     one_row = auto("batch.global_batch_size=1", "batch.per_device_batch_size=1")
     with pytest.raises(BatchPlanError, match="two batch sizes: the first 1 row"):
-        schedule_from_config(one_row, {"data": 1, "fsdp": 1, "tensor": 1})
-    assert schedule_from_config(auto("batch.schedule=AUTO"), SHAPE_8).kind == "auto"
+        schedule_from_config(run_config(one_row), {"data": 1, "fsdp": 1, "tensor": 1})
+    assert schedule_from_config(run_config(auto("batch.schedule=AUTO")), SHAPE_8).kind == "auto"
     with pytest.raises(BatchPlanError, match="one of 32, 64, 128"):
-        schedule_from_config(auto("batch.max_global_batch_size=100"), SHAPE_8)
+        schedule_from_config(run_config(auto("batch.max_global_batch_size=100")), SHAPE_8)
     with pytest.raises(BatchPlanError, match=r"give train\.examples"):
-        schedule_from_config(auto("train.examples=null", "train.steps=10"), SHAPE_8)
+        schedule_from_config(run_config(auto("train.examples=null", "train.steps=10")), SHAPE_8)
     with pytest.raises(BatchPlanError, match=r"read by batch\.schedule=auto only"):
-        schedule_from_config(auto("batch.schedule="), SHAPE_8)
+        schedule_from_config(run_config(auto("batch.schedule=")), SHAPE_8)
     with pytest.raises(BatchPlanError, match="give it"):
-        schedule_from_config(auto("batch.max_global_batch_size=null"), SHAPE_8)
+        schedule_from_config(run_config(auto("batch.max_global_batch_size=null")), SHAPE_8)
 
 
 def test_auto_without_noise_scale_samples_is_refused_in_one_line_before_any_work(tmp_path):
@@ -547,4 +547,4 @@ def test_auto_whose_noise_scale_samples_no_step_before_the_last_is_refused(tmp_p
     )
     config = load_config("mlp_digits")
     apply_overrides(config, [*line[2:], "train.noise_scale_every=9"])
-    assert schedule_from_config(config, SHAPE_8).kind == "auto"  # step 9 samples
+    assert schedule_from_config(run_config(config), SHAPE_8).kind == "auto"  # step 9 samples

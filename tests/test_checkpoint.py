@@ -14,7 +14,7 @@ import pytest
 
 from jaxkit.batch import noise_scale
 from jaxkit.batch.schedule import plan_from_config, schedule_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import make_sources, stream_rows
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.plan import costs
@@ -222,8 +222,8 @@ def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path, full_k1
 
 def test_a_checkpoint_of_another_model_shape_is_refused_and_left_alone(tmp_path, cut_k1):
     copied(cut_k1, tmp_path)
-    other = digits("model.hidden_size=64")
-    mesh = make_mesh(other.mesh.to_dict())
+    other = run_config(digits("model.hidden_size=64"))
+    mesh = make_mesh(dataclasses.asdict(other.mesh))
     setup = build(other, plan_from_config(other, mesh_shape(mesh)), mesh)
     ckpt = Checkpointer(tmp_path / "checkpoints", keep=3, warn=print)
     with pytest.raises(
@@ -362,9 +362,10 @@ def test_a_half_step_is_continued_on_the_same_split_and_redone_on_another(
     tmp_path, full_k4, cut_k4
 ):
     config = digits("batch.per_device_batch_size=1")  # 8 × 1 × K=4
+    typed = run_config(config)
     copied(cut_k4, tmp_path / "cut")  # stopped at step 2, 2 of 4 micro-steps
-    mesh = make_mesh(config.mesh.to_dict())
-    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    mesh = make_mesh(dataclasses.asdict(typed.mesh))
+    setup = build(typed, plan_from_config(typed, mesh_shape(mesh)), mesh)
     ckpt = Checkpointer(tmp_path / "cut" / "checkpoints", keep=3, warn=print)
     mid = ckpt.restore(2, abstract_state(setup))
     assert int(mid.opt_state.mini_step) == 2
@@ -496,7 +497,7 @@ def test_a_batch_change_continues_the_data_stream_without_skipping_or_repeating(
     )
     run(bigger, tmp_path, allow_batch_change=True)  # 10 steps of 64 rows
     # Independently of jaxkit: epoch permutations of the 1527 training rows, end to end.
-    n = len(make_sources(config)[0])
+    n = len(make_sources(run_config(config))[0])
     stream = np.concatenate([np.random.default_rng([0, e]).permutation(n) for e in range(2)])
     assert served == stream[: 20 * 32 + 10 * 64].tolist()
     starts = [32 * i for i in range(20)] + [640 + 64 * i for i in range(10)]
@@ -613,7 +614,7 @@ def test_a_redone_half_step_counts_its_non_finite_micro_batches_once(tmp_path, m
     # streak of 2 there. Redone on 8 devices (one micro-batch of 32), step 2 is one bad
     # micro-batch: a streak of 1 and 1 skipped in all, as an uninterrupted 8-device run.
     config = digits("train.max_nonfinite_in_row=3")
-    n = len(make_sources(config)[0])
+    n = len(make_sources(run_config(config))[0])
     bad = stream_rows(2 * 32, 16, n, seed=0)
     real = loop_lib.data_lib.make_sources
 
@@ -789,8 +790,8 @@ def test_a_state_holds_an_accumulator_only_where_a_step_takes_several_calls(over
     """MultiSteps' accumulator holds zeros at every step boundary: kept between calls only
     where a step's micro-batches arrive in several (MultiSteps mode at K > 1, or a batch
     schedule that reaches K > 1, which runs one program at every K)."""
-    config = digits(*overrides)
-    mesh = make_mesh(config.mesh.to_dict())
+    config = run_config(digits(*overrides))
+    mesh = make_mesh(dataclasses.asdict(config.mesh))
     schedule = schedule_from_config(config, mesh_shape(mesh))
     setup = build(config, schedule.first, mesh, schedule)
     state = abstract_state(setup)
@@ -864,8 +865,8 @@ def test_another_model_s_refusal_names_the_params_not_an_accumulator(tmp_path):
     """The old workdir's accumulator mirrors its params: a refusal of another model names
     what differs in the params, not the accumulator a K = 1 run does not even keep."""
     shutil.copytree(WRITTEN_WITH_AN_ACCUMULATOR, tmp_path / "old")
-    other = tiny_digits("model.hidden_size=16", "batch.per_device_batch_size=8")  # K = 1
-    mesh = make_mesh(other.mesh.to_dict(), jax.devices()[:1])
+    other = run_config(tiny_digits("model.hidden_size=16", "batch.per_device_batch_size=8"))
+    mesh = make_mesh(dataclasses.asdict(other.mesh), jax.devices()[:1])  # K = 1
     setup = build(other, plan_from_config(other, mesh_shape(mesh)), mesh)
     ckpt = Checkpointer(tmp_path / "old" / "checkpoints", keep=3, warn=print)
     with pytest.raises(CheckpointError) as refused:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config, validate
+from jaxkit.config import apply_overrides, load_config, run_config, validate
 from jaxkit.models import build_model, eval_sums, model_loss, token_cross_entropy
 from jaxkit.models.loss import chunking, row_sums
 from jaxkit.plan import costs
@@ -46,7 +46,7 @@ def model_and_params(family, chunk):
     config.model.loss_chunk_tokens = chunk
     validate(config)
     with nnx.use_eager_sharding(False):
-        return nnx.split(build_model(config, nnx.Rngs(0)))
+        return nnx.split(build_model(run_config(config), nnx.Rngs(0)))
 
 
 def a_batch(packed):
@@ -173,8 +173,8 @@ def test_the_chunked_step_holds_fewer_temporaries_where_the_vocabulary_is_large(
         # One device: what a step holds is per device, and one device compiles no
         # collectives.
         shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), 1)
-        plan = plan_from_config(config, shape)
-        return costs.step_cost(config, plan, jax.devices()[:1]).temp_bytes
+        plan = plan_from_config(run_config(config), shape)
+        return costs.step_cost(run_config(config), plan, jax.devices()[:1]).temp_bytes
 
     # The device's float32 logits: 4 rows × 64 positions × 8192 = 8 MiB; a step holds them
     # (and their gradient) whole, a chunked one a quarter at a time.

@@ -12,6 +12,7 @@ import cli_run
 import pytest
 
 from jaxkit import cli as cli_lib
+from jaxkit.config import run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -407,7 +408,9 @@ def test_max_per_device_batch_announces_each_compile_as_it_starts(capsys):
     from jaxkit.config import load_config
     from jaxkit.plan import costs
 
-    one = costs.split_config(load_config("mlp_digits"), 1, 1)  # what the search compiles first
+    one = costs.split_config(
+        run_config(load_config("mlp_digits")), 1, 1
+    )  # what the search compiles first
     shape = {"data": 8, "fsdp": 1, "tensor": 1}
     need = costs.step_cost(one, plan_from_config(one, shape), jax.devices()).memory_bytes
     argv = ["plan", "mlp_digits", "--max-per-device-batch", "--memory-budget", str(need), "--json"]

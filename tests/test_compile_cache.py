@@ -25,6 +25,7 @@ import pytest
 from small_configs import SMALL_LM
 
 from jaxkit import cli as cli_lib
+from jaxkit.config import run_config
 from jaxkit.plan import compile_cache, costs, peak, targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -352,10 +353,12 @@ def test_a_refusal_is_cached_as_a_refusal(monkeypatch, tmp_path):
 
     config = load_config("mlp_digits")  # a small program to lower: the compile is refused
     devices = targets.target_devices(targets.parse_target("v5litepod-8"))
-    plan = plan_from_config(config, resolve_mesh_shape(config.mesh.to_dict(), len(devices)))
+    plan = plan_from_config(
+        run_config(config), resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    )
     for _ in range(2):
         with pytest.raises(costs.OutOfMemory) as err:
-            costs.step_cost(config, plan, devices)
+            costs.step_cost(run_config(config), plan, devices)
         assert err.value.needed_bytes == 20 * 2**30  # read back from the cached message
     assert calls == [1]
 

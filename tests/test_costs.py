@@ -12,17 +12,21 @@ from cli_run import jaxkit  # in-process: what the command prints and writes
 from flax import nnx
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.models import build_model
 from jaxkit.plan import costs, peak
 from jaxkit.step.train_step import abstract_params
 from jaxkit.train.loop import train
 
 
-def _digits(*overrides):
+def _digits_config(*overrides):
     config = load_config("mlp_digits")
     apply_overrides(config, list(overrides))
     return config
+
+
+def _digits(*overrides):
+    return run_config(_digits_config(*overrides))
 
 
 def test_parse_bytes_reads_units_and_refuses_nonsense():
@@ -76,8 +80,8 @@ def test_fused_flops_count_every_micro_batch():
     fused = load_config("lm_tiny")
     apply_overrides(fused, ["batch.per_device_batch_size=2", "train.accumulation=fused"])
     shape = {"data": 8, "fsdp": 1, "tensor": 1}
-    a = costs.step_cost(multi, plan_from_config(multi, shape), devices)
-    b = costs.step_cost(fused, plan_from_config(fused, shape), devices)
+    a = costs.step_cost(run_config(multi), plan_from_config(run_config(multi), shape), devices)
+    b = costs.step_cost(run_config(fused), plan_from_config(run_config(fused), shape), devices)
     assert a.calls_per_step == b.calls_per_step == 4
     assert 0 < b.update_flops < b.flops_per_call
     assert b.flops_per_step == pytest.approx(a.flops_per_step, rel=0.01)
@@ -146,7 +150,7 @@ def test_flops_per_step_are_k_gradients_and_one_update():
     for every K. 2.5% bounds that with a 2x margin, while counting one micro-step per
     optimizer step (dropping K) is 75% low at K = 4.
     """
-    config = load_config("lm_tiny")
+    config = run_config(load_config("lm_tiny"))
     grad, update = independent_counts(config, rows=2)
     for k in (1, 4):
         expected = k * grad + update
@@ -180,7 +184,9 @@ def test_recommend_takes_the_largest_fitting_batch_then_fewest_steps():
     # test_plan_all_splits_json_and_the_text_table.)
     config = load_config("lm_tiny")
     devices = jax.devices()
-    splits = costs.with_costs(config, costs.enumerate_splits(config, [8]), devices)
+    splits = costs.with_costs(
+        run_config(config), costs.enumerate_splits(run_config(config), [8]), devices
+    )
     on8 = sorted((s for s in splits if s.devices == 8), key=lambda s: s.plan.per_device_batch_size)
     # A budget between the two largest per-device batches on 8 devices picks the second.
     budget = (on8[-2].cost.memory_bytes + on8[-1].cost.memory_bytes) // 2
@@ -311,8 +317,9 @@ def test_the_suite_keeps_its_peak_cache_out_of_the_users_home():
 def test_a_run_reports_flops_and_mfu_from_its_compiled_step(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(peak, "measure_matmul_peak", lambda d: 1e9)
-    config = _digits("train.steps=3", "train.log_every=1")
+    config = _digits_config("train.steps=3", "train.log_every=1")
     result = train(config, progress=False, echo=lambda *a: None)
+    config = run_config(config)
     expected = costs.step_cost(config, result.plan, jax.devices()).flops_per_step
     for record in (r for r in result.records if "loss" in r):
         assert record["flops_per_step"] == expected

@@ -3,6 +3,7 @@ it trains through the CLI, its splits match the full-batch reference, the params
 annotate are replicated (with a warning naming them), and each mistake is refused by name.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,7 +29,14 @@ from test_loop import reference as eval_reference
 
 from jaxkit import cli
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import ConfigError, apply_overrides, is_lm, load_config, validate
+from jaxkit.config import (
+    ConfigError,
+    apply_overrides,
+    is_lm,
+    load_config,
+    run_config,
+    validate,
+)
 from jaxkit.data.sources import make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.models import check_mesh_divides, custom_model
@@ -208,8 +216,9 @@ def test_params_without_annotation_are_replicated_the_rest_as_annotated(model_di
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second validation stays silent
         validate(config)
-    mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:2])
-    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    typed = run_config(config)
+    mesh = make_mesh(dataclasses.asdict(typed.mesh), jax.devices()[:2])
+    setup = build(typed, plan_from_config(typed, mesh_shape(mesh)), mesh)
     params = setup.state_shardings.params
     assert params["scale"].spec == P()
     assert params["head"]["kernel"].spec == P("fsdp", None)
@@ -217,7 +226,7 @@ def test_params_without_annotation_are_replicated_the_rest_as_annotated(model_di
 
 
 def test_a_custom_kind_reads_the_language_model_data(model_dir):
-    config = lm_config(KIND, "data.source=synthetic", "data.num_examples=64")
+    config = run_config(lm_config(KIND, "data.source=synthetic", "data.num_examples=64"))
     assert is_lm(config)
     assert batch_row_spec(config) == {
         "inputs": ((16,), "int32"),
@@ -282,14 +291,14 @@ def test_rules_of_the_language_model_data_apply(model_dir):
 def test_annotations_must_name_mesh_axes_and_divide_evenly(model_dir):
     """Refused as soon as the mesh shape is known, not by JAX once the step is traced."""
     mesh = {"data": 1, "fsdp": 4, "tensor": 1}
-    check_mesh_divides(lm_config(KIND), mesh)  # d_model 32 over fsdp=4
+    check_mesh_divides(run_config(lm_config(KIND)), mesh)  # d_model 32 over fsdp=4
     with pytest.raises(ConfigError) as err:
-        check_mesh_divides(lm_config(KIND, "model.d_model=30"), mesh)
+        check_mesh_divides(run_config(lm_config(KIND, "model.d_model=30")), mesh)
     assert "param head.kernel of shape (30, 256) splits dimension 0 (30) over mesh.fsdp=4" in str(
         err.value
     )
     with pytest.raises(ConfigError, match=r"head.kernel is annotated with mesh axis 'model', not"):
-        check_mesh_divides(lm_config("model.kind=mymodel:bad_axis"), mesh)
+        check_mesh_divides(run_config(lm_config("model.kind=mymodel:bad_axis")), mesh)
 
 
 CLASSIFIER = "model.kind=mymodel:classifier"
@@ -310,7 +319,9 @@ def test_a_classifier_trains_through_the_cli_and_matches_the_full_batch_referenc
     rows (test_equivalence's reference) and its params' eval (test_loop's)."""
     ref_losses, ref_grad_norms, trajectory = reference_for("mlp_digits", [CLASSIFIER])
     assert ref_losses[-1] < ref_losses[0]  # the reference itself trains
-    ref_loss, ref_accuracy = eval_reference(digits_config(CLASSIFIER), trajectory[-1], 32)
+    ref_loss, ref_accuracy = eval_reference(
+        run_config(digits_config(CLASSIFIER)), trajectory[-1], 32
+    )
     common = [CLASSIFIER, "batch.global_batch_size=32", "train.eval_examples=32"]
     common += [f"train.steps={STEPS}", "train.log_every=1", f"train.eval_every={STEPS}"]
     common += ["optimizer.warmup_steps=2", "mesh.data=-1", "--no-progress"]
@@ -337,8 +348,8 @@ def test_a_classifier_trains_through_the_cli_and_matches_the_full_batch_referenc
 def test_a_classifier_takes_the_mlps_data_and_the_datas_classes(model_dir):
     config = digits_config(CLASSIFIER)
     validate(config)  # neither model.vocab_size nor data.seq_len: rows of features
-    assert not is_lm(config)
-    assert batch_row_spec(config) == {
+    assert not is_lm(run_config(config))
+    assert batch_row_spec(run_config(config)) == {
         "inputs": ((64,), "float32"),
         "targets": ((), "int32"),
         "loss_weights": ((), "float32"),
@@ -356,7 +367,7 @@ def test_a_classifier_takes_the_mlps_data_and_the_datas_classes(model_dir):
         "data.source=synthetic", "model.num_classes=9", "model.kind=mymodel:nine_classes"
     )
     validate(config)
-    train_rows, _ = make_sources(config)
+    train_rows, _ = make_sources(run_config(config))
     assert set(np.unique(train_rows[np.arange(len(train_rows))]["targets"])) <= set(range(9))
     del config.model.num_classes
     with pytest.raises(ConfigError, match=r"no model.num_classes, which data.source='synthetic'"):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from jaxkit.batch.plan import make_batch_plan
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import (
     DataError,
     TokenWindows,
@@ -116,14 +116,14 @@ def test_default_corpus_is_the_stdlib_source_in_sorted_order():
     assert text == expected[:20_000]
     config = load_config("lm_tiny")
     apply_overrides(config, ["data.max_bytes=100000"])
-    train, held_out = make_sources(config)
+    train, held_out = make_sources(run_config(config))
     assert len(train.tokens) == 95_000 and len(held_out.tokens) == 5_000
     # The held-out bytes are the corpus' tail: train then held-out is the corpus itself.
     assert bytes(train.tokens) + bytes(held_out.tokens) == expected[:100_000]
 
 
 def test_digits_are_the_bundled_images():
-    train, held_out = make_sources(load_config("mlp_digits"))
+    train, held_out = make_sources(run_config(load_config("mlp_digits")))
     assert len(train) + len(held_out) == 1797
     assert train.inputs.shape[1] == 64 and train.inputs.min() >= 0.0 and train.inputs.max() <= 1.0
     assert set(np.unique(train.targets)) == set(range(10))
@@ -137,20 +137,20 @@ def test_text_source_reads_a_local_file(tmp_path):
         config,
         [f"data.path={tmp_path / 'corpus.txt'}", "data.seq_len=16", "data.eval_fraction=0.25"],
     )
-    train, held_out = make_sources(config)
+    train, held_out = make_sources(run_config(config))
     assert bytes(train.tokens) + bytes(held_out.tokens) == text
     assert len(train) == (6000 - 1) // 16
     apply_overrides(config, [f"data.path={tmp_path / 'missing.txt'}"])
     with pytest.raises(DataError, match="is not a readable file"):
-        make_sources(config)
+        make_sources(run_config(config, checked=True))  # make_sources' own check
 
 
 @pytest.mark.parametrize("name", ["lm_tiny", "mlp_digits"])
 def test_synthetic_sources_are_fixed_and_shaped_for_the_model(name):
     config = load_config(name)
     apply_overrides(config, ["data.source=synthetic"])
-    train, held_out = make_sources(config)
-    again, _ = make_sources(config)
+    train, held_out = make_sources(run_config(config))
+    again, _ = make_sources(run_config(config))
     np.testing.assert_array_equal(train.inputs, again.inputs)  # fixed, not re-drawn per call
     assert len(train) + len(held_out) == config.data.num_examples
     if name == "lm_tiny":
@@ -168,4 +168,4 @@ def test_bad_data_settings_are_data_errors():
         config = load_config("mlp_digits")
         apply_overrides(config, [override])
         with pytest.raises(DataError, match=match):
-            make_sources(config)
+            make_sources(run_config(config, checked=True))  # make_sources' own check

@@ -16,7 +16,7 @@ from flax import nnx
 from small_configs import SMALL_LM
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import global_batch_rows, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.models import build_model
@@ -203,9 +203,10 @@ def reference_for(name, overrides=()):
     config = small_config(name, 1, 32)
     apply_overrides(config, list(overrides))
     mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:1])
-    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    typed = run_config(config)
+    setup = build(typed, plan_from_config(typed, mesh_shape(mesh)), mesh)
     init = jax.device_get(setup.init(jax.random.key(config.train.seed)).params)
-    return reference_run(config, init)
+    return reference_run(typed, init)
 
 
 def max_param_diff(params, ref_params):

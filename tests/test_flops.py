@@ -1,6 +1,7 @@
 """Model FLOPs (the architecture's, MFU's basis) and hardware FLOPs (the compiled matmuls,
 loop bodies times their trips: HFU's basis)."""
 
+import dataclasses
 import json
 import os
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.plan import costs
 from jaxkit.plan.flops import hardware_flops
 
@@ -22,7 +23,7 @@ NARROW = ["model.d_model=64", "model.mlp_dim=128"]
 def step_cost(name, *overrides, devices=4, per_device=2, accum=2, shrink=True):
     config = load_config(name)
     apply_overrides(config, [*(LLAMA if shrink else []), *overrides])
-    split = costs.split_config(config, per_device, accum)
+    split = costs.split_config(run_config(config), per_device, accum)
     plan = plan_from_config(split, {"data": devices, "fsdp": 1, "tensor": 1})
     return costs.step_cost(split, plan, jax.devices()[:devices])
 
@@ -102,7 +103,7 @@ def test_fused_accumulation_counts_its_micro_batch_loop():
 
 def _split(per_device, accum, remat, hardware, memory=10):
     plan = plan_from_config(
-        costs.split_config(load_config("llama_tiny"), per_device, accum),
+        costs.split_config(run_config(load_config("llama_tiny")), per_device, accum),
         {"data": 8, "fsdp": 1, "tensor": 1},
     )
     cost = costs.StepCost(
@@ -230,13 +231,14 @@ def test_tpu_programs_count_their_loops_and_convolutions():
     # still a quarter of the step; rows stay 128 long, splash's block.
     config = load_config("lm_tiny")
     apply_overrides(config, [*NARROW, "model.num_layers=1", "model.attention=xla"])
-    split = costs.split_config(config, 1, 1)
+    split = costs.split_config(run_config(config), 1, 1)
     plan = plan_from_config(split, {"data": 8, "fsdp": 1, "tensor": 1})
     cost = costs.step_cost(split, plan, devices)
     assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.05)
     # With splash, what is counted is the step less attention's scores and weighted values:
     # 12 × layers × d_model × seq_len per token, over the chip's one row (flops.py).
-    apply_overrides(split, ["model.attention=splash"])
+    apply_overrides(config, ["model.attention=splash"])
+    split = costs.split_config(run_config(config), 1, 1)
     with_splash = costs.step_cost(split, plan, devices)
     m, seq = split.model, split.data.seq_len
     kernel = 12 * m.num_layers * m.d_model * seq * seq
@@ -251,7 +253,7 @@ def test_tpu_programs_count_their_loops_and_convolutions():
     for scan in ("false", "true"):
         llama = load_config("llama_tiny")
         apply_overrides(llama, [*NARROW, f"model.scan_layers={scan}", "model.attention=xla"])
-        split = costs.split_config(llama, 1, 1)
+        split = costs.split_config(run_config(llama), 1, 1)
         cost = costs.step_cost(split, plan_from_config(split, plan_shape(plan)), devices)
         counts.append(cost.hardware_flops_per_step)
         assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.01)
@@ -297,7 +299,7 @@ def test_tpu_fused_step_of_one_micro_step_runs_the_model_once():
             "mesh.fsdp=-1",
         ],
     )
-    split = costs.split_config(config, 2, 1)
+    split = costs.split_config(run_config(config), 2, 1)
     plan = plan_from_config(split, {"data": 2, "fsdp": 4, "tensor": 1})
     cost = costs.step_cost(split, plan, target_devices(parse_target("v5litepod-8")))
     assert cost.hardware_flops_per_step == pytest.approx(cost.model_flops_per_step, rel=0.01)
@@ -356,9 +358,11 @@ def test_tpu_fused_full_remat_step_counts_its_temporaries():
             "mesh.fsdp=-1",
         ],
     )
-    split = costs.split_config(config, 2, 1)
+    split = costs.split_config(run_config(config), 2, 1)
     plan = plan_from_config(split, {"data": 1, "fsdp": 8, "tensor": 1})
-    mesh = mesh_lib.make_mesh(split.mesh.to_dict(), target_devices(parse_target("v5litepod-8")))
+    mesh = mesh_lib.make_mesh(
+        dataclasses.asdict(split.mesh), target_devices(parse_target("v5litepod-8"))
+    )
     compiled, cost = costs.compile_setup_step(split, plan, build(split, plan, mesh))
     reported = compiled.memory_analysis()
     state = cost.argument_bytes + cost.output_bytes - cost.alias_bytes
@@ -400,7 +404,7 @@ def test_lm_1b_docstring_states_the_models_own_flops_and_the_step_time_they_give
     from jaxkit.plan.flops import model_flops_per_example
     from jaxkit.plan.peak import table_peak
 
-    config = load_config("lm_1b")
+    config = run_config(load_config("lm_1b"))
     plan = plan_from_config(config, {"data": 1, "fsdp": 8, "tensor": 1})
     flops = model_flops_per_example(config) * plan.global_batch_size
     doc = " ".join(importlib.import_module("configs.lm_1b").__doc__.split())

@@ -8,7 +8,7 @@ import pytest
 from small_configs import SMALL_LM
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import load_global_batch, load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.plan import costs
@@ -97,7 +97,8 @@ def test_fused_all_reduces_once_per_optimizer_step_multisteps_k_times(accum):
     for mode in ("multisteps", "fused"):
         config = config_for("mlp_digits", mode, 32 // (8 * accum) or 1)
         apply_overrides(config, ["batch.global_batch_size=null", f"batch.grad_accum_steps={accum}"])
-        mesh = make_mesh(config.mesh.to_dict())
+        config = run_config(config)
+        mesh = make_mesh(dataclasses.asdict(config.mesh))
         plan = plan_from_config(config, mesh_shape(mesh))
         setup = build(config, plan, mesh)
         source, _ = make_sources(config)
@@ -117,8 +118,8 @@ def test_fused_all_reduces_once_per_optimizer_step_multisteps_k_times(accum):
 
 
 def test_a_fused_step_with_a_non_finite_micro_batch_is_skipped_whole():
-    config = config_for("mlp_digits", "fused", 2)
-    mesh = make_mesh(config.mesh.to_dict())
+    config = run_config(config_for("mlp_digits", "fused", 2))
+    mesh = make_mesh(dataclasses.asdict(config.mesh))
     plan = plan_from_config(config, mesh_shape(mesh))
     setup = build(config, plan, mesh)
     source, _ = make_sources(config)
@@ -229,7 +230,9 @@ def test_fused_needs_the_memory_multisteps_needs_for_every_split():
     for mode in ("multisteps", "fused"):
         config = load_config("lm_tiny")
         apply_overrides(config, [*WIDE_2X2X2, f"train.accumulation={mode}"])
-        splits = costs.with_costs(config, costs.enumerate_splits(config, [8]), jax.devices())
+        splits = costs.with_costs(
+            run_config(config), costs.enumerate_splits(run_config(config), [8]), jax.devices()
+        )
         memory[mode] = {
             (s.plan.per_device_batch_size, s.plan.grad_accum_steps): s.cost.memory_bytes
             for s in splits

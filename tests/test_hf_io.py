@@ -20,7 +20,7 @@ from cli_run import jaxkit
 from token_dirs import prompt_completion_docs, write_prepared
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import ConfigError, apply_overrides, load_config
+from jaxkit.config import ConfigError, apply_overrides, load_config, run_config
 from jaxkit.data.sources import Position
 from jaxkit.hf import load as hf_load
 from jaxkit.hf import names
@@ -83,6 +83,7 @@ def paths_and_leaves(tree):
 
 
 def loaded_state(config, mesh_axes):
+    config = run_config(config)
     mesh = make_mesh(mesh_axes)
     setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
     return setup, initial_state(config, setup)
@@ -705,11 +706,11 @@ def test_export_finds_a_tokenizer_prepare_was_given_relative_to_another_cwd(tmp_
     vocab = f"model.vocab_size={meta['vocab_size']}"
     # The fingerprint is the one of the same data prepared before meta.json held the
     # absolute path: that meta.json is this one without it.
-    fingerprint = make_sources(small_config(vocab, *data))[0].fingerprint
+    fingerprint = make_sources(run_config(small_config(vocab, *data)))[0].fingerprint
     written = json.loads((tmp_path / "data" / "meta.json").read_text())
     older = {k: v for k, v in written.items() if k != "tokenizer_file"}
     (tmp_path / "data" / "meta.json").write_text(json.dumps(older))
-    assert make_sources(small_config(vocab, *data))[0].fingerprint == fingerprint
+    assert make_sources(run_config(small_config(vocab, *data)))[0].fingerprint == fingerprint
     assert fingerprint["tokenizer"] == "tok/tokenizer.json"  # as typed, as before
     (tmp_path / "data" / "meta.json").write_text(json.dumps(written))
     write_hf(tmp_path / "hf", small_config(vocab).model)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkit.config import ConfigError, apply_overrides, load_config
+from jaxkit.config import ConfigError, apply_overrides, load_config, run_config
 from jaxkit.hf import names
 from jaxkit.models import build_model
 
@@ -39,7 +39,7 @@ HF_KERNELS = {
 def small(*overrides):
     config = load_config("llama_tiny")
     apply_overrides(config, SMALL + list(overrides))  # no data is read: vocab < 256 bytes
-    return config
+    return run_config(config, checked=True)  # its model's sections: the data is not read
 
 
 def pure_params(config):

@@ -34,7 +34,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxkit import mesh as mesh_lib
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.hf import names
 from jaxkit.models import build_model
 from jaxkit.models.llama_net import inverse_frequencies
@@ -74,7 +74,7 @@ def jaxkit_config(hf_config, *overrides):
         config,
         [_override(k, v) for k, v in keys.items()] + [f"data.seq_len={SEQ_LEN}", *overrides],
     )
-    return config
+    return run_config(config, checked=True)  # its model's sections: no data is read
 
 
 def random_tensors(config, seed):
@@ -227,13 +227,14 @@ def test_jaxkit_params_exported_load_in_the_flax_llama_with_the_same_logits(tmp_
             f"data.seq_len={SEQ_LEN}",
         ],
     )
+    typed = run_config(config, checked=True)  # its model alone: no data is read (vocab < 256)
     with nnx.use_eager_sharding(False):
-        model = build_model(config, nnx.Rngs(3))
+        model = build_model(typed, nnx.Rngs(3))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     path = write_hf_dir(
         tmp_path / "out",
-        names.hf_config_from_model(config.model),
-        names.to_hf(params, config.model),
+        names.hf_config_from_model(typed.model),
+        names.to_hf(params, typed.model),
     )
     tokens = tokens_for(2, 48, seed=4)
     ours = np.asarray(model(jnp.asarray(tokens)))
@@ -291,14 +292,15 @@ def test_splits_and_exact_normalisation_hold_from_a_loaded_checkpoint(monkeypatc
     monkeypatch.setitem(test_equivalence.SMALL, "llama_tiny", [*TINY, "model.num_layers=2"])
     config = test_equivalence.small_config("llama_tiny", 1, 32)
     apply_overrides(config, [*padded, "model.norm_eps=1e-5"])
+    typed = run_config(config)
     path = write_hf_dir(
-        tmp_path / "hf", names.hf_config_from_model(config.model), random_tensors(config, seed=5)
+        tmp_path / "hf", names.hf_config_from_model(typed.model), random_tensors(typed, seed=5)
     )
     # The checkpoint's own config.json gives the model the runs train.
     loaded = jaxkit_config(json.loads((path / "config.json").read_text()))
-    assert loaded.model.to_dict() == config.model.to_dict()
+    assert loaded.model == typed.model
 
-    ref_losses, _, trajectory = reference_run(config, names.from_hf(read(path), config.model))
+    ref_losses, _, trajectory = reference_run(typed, names.from_hf(read(path), typed.model))
     assert ref_losses[-1] < ref_losses[0]
     overrides = [*padded, "model.norm_eps=1e-5", f"model.init_from=hf:{path}"]
     losses, _, final = test_equivalence.run_splits("llama_tiny", [(2, 8, 2)], overrides)[2, 8, 2]

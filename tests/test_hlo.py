@@ -5,6 +5,7 @@ whose only collective is a psum over a named axis; the layout tests then pin wha
 mesh costs in both accumulation modes.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from small_configs import SMALL_LM
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.plan import costs
 from jaxkit.plan.hlo import (
@@ -139,7 +140,8 @@ def step_setup(mesh_overrides, mode, per_device, *extra, small=True):
             *extra,
         ],
     )
-    mesh = make_mesh(config.mesh.to_dict())
+    config = run_config(config)
+    mesh = make_mesh(dataclasses.asdict(config.mesh))
     plan = plan_from_config(config, mesh_shape(mesh))
     return config, plan, build(config, plan, mesh)
 

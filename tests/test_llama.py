@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.config import ConfigError, apply_overrides, load_config, run_config, validate
 from jaxkit.models import build_model, check_mesh_divides, contract
 from jaxkit.models import llama_net as llama
 from jaxkit.plan import costs
@@ -52,7 +52,7 @@ def tiny(*overrides):
 
 def model_of(config):
     with nnx.use_eager_sharding(False):
-        return build_model(config, nnx.Rngs(0))
+        return build_model(run_config(config), nnx.Rngs(0))
 
 
 def pure(model):
@@ -90,16 +90,17 @@ def test_each_size_has_the_params_its_name_says_in_closed_form(name, low, high):
     # RMSNorm scales. Then the final norm, the table and (untied) the head.
     block = 2 * D * D + 2 * D * m.num_kv_heads * K + 3 * D * F + 2 * D
     expected = L * block + D + V * D * (1 if m.tie_embeddings else 2)
-    assert param_count(config) == expected == sum(llama.parameter_count(m).values())
+    typed = run_config(config)
+    assert param_count(typed) == expected == sum(llama.parameter_count(typed.model).values())
     assert low < expected < high
     apply_overrides(config, [f"model.scan_layers={not m.scan_layers}"])
-    assert param_count(config) == expected  # the layer axis only regroups them
+    assert param_count(run_config(config)) == expected  # the layer axis only regroups them
 
 
 def test_lm_1b_compiles_from_shapes_and_its_model_flops_follow_palm():
     """Compile-only on 8 CPU devices, fsdp over all: nothing allocated or run."""
     config = load_config("lm_1b")
-    split = costs.split_config(config, 1, 1)
+    split = costs.split_config(run_config(config), 1, 1)
     plan = plan_from_config(split, {"data": 1, "fsdp": 8, "tensor": 1})
     cost = costs.step_cost(split, plan, jax.devices())
     m, seq = config.model, config.data.seq_len
@@ -206,13 +207,13 @@ def test_bfloat16_compute_keeps_float32_where_it_counts():
     )
     scale = float(jnp.max(jnp.abs(exact)))
     assert float(jnp.max(jnp.abs(logits.astype(jnp.float32) - exact))) < 0.05 * scale
-    stored = abstract_params(tiny("model.param_dtype=bfloat16"))
+    stored = abstract_params(run_config(tiny("model.param_dtype=bfloat16")))
     assert {leaf.dtype for leaf in jax.tree.leaves(stored)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_weight_decay_skips_stacked_vectors():
-    unrolled = abstract_params(tiny())
-    scanned = abstract_params(tiny("model.scan_layers=true"))
+    unrolled = abstract_params(run_config(tiny()))
+    scanned = abstract_params(run_config(tiny("model.scan_layers=true")))
     mask_unrolled, mask_scanned = decays(False)(unrolled), decays(True)(scanned)
     assert mask_scanned["blocks"]["attn_norm"]["scale"] is False
     assert mask_scanned["blocks"]["query"]["kernel"] is True
@@ -286,15 +287,16 @@ def test_rope_scaling_is_set_on_the_command_line_as_json_and_back_to_null(in_fil
 def test_head_dim_sets_the_head_width_apart_from_d_model_and_the_sizes_follow():
     # d_model 36 does not divide over 4 heads: with head_dim set it need not.
     config = tiny("model.d_model=36", "model.head_dim=10")
+    typed = run_config(config)
     with nnx.use_eager_sharding(False):  # shapes only: nothing initialised or run
-        model = nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: build_model(typed, nnx.Rngs(0)))
     params = pure(model)
     block = params["blocks"][0]
     assert block["query"]["kernel"].shape == (36, 4 * 10)
     assert block["key"]["kernel"].shape == block["value"]["kernel"].shape == (36, 2 * 10)
     assert block["attn_out"]["kernel"].shape == (4 * 10, 36)
     built = sum(leaf.size for leaf in jax.tree.leaves(params))
-    assert param_count(config) == built == sum(llama.parameter_count(config.model).values())
+    assert param_count(typed) == built == sum(llama.parameter_count(typed.model).values())
     # Attention's FLOPs (PaLM's 12 × layers × width × seq_len per token) use heads × head_dim.
     kernels = sum(
         x.size
@@ -303,7 +305,7 @@ def test_head_dim_sets_the_head_width_apart_from_d_model_and_the_sizes_follow():
     )
     seq, layers = config.data.seq_len, config.model.num_layers
     assert (
-        contract(config).flops_per_example(config, kernels)
+        contract(typed).flops_per_example(typed, kernels)
         == (6 * kernels + 12 * layers * 40 * seq) * seq
     )
     logits = nnx.eval_shape(lambda m, x: m(x), model, tokens(config))
@@ -313,7 +315,9 @@ def test_head_dim_sets_the_head_width_apart_from_d_model_and_the_sizes_follow():
 def test_key_value_heads_must_split_over_the_tensor_axis():
     message = r"model.num_kv_heads=2 is not divisible by mesh.tensor=4"
     with pytest.raises(ConfigError, match=message):
-        check_mesh_divides(tiny("model.num_heads=8"), {"data": 2, "fsdp": 1, "tensor": 4})
+        check_mesh_divides(
+            run_config(tiny("model.num_heads=8")), {"data": 2, "fsdp": 1, "tensor": 4}
+        )
 
 
 def _run(config, workdir, **kw):

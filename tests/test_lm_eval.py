@@ -16,7 +16,7 @@ from cli_run import ROOT, jaxkit
 from flax import nnx
 from small_configs import SMALL_LM
 
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.step.train_step import _abstract_model
 from jaxkit.train.checkpoint import restore_params
 
@@ -61,7 +61,7 @@ def _log_probs(workdir: str):
     forward pass of the checkpoint's model on one device."""
     config = load_config("lm_tiny")
     apply_overrides(config, [*SMALL_LM, "mesh.data=1"])
-    graphdef, _ = _abstract_model(config)
+    graphdef, _ = _abstract_model(run_config(config))
     params, _ = restore_params(f"{workdir}/checkpoints", 2)
     forward = jax.jit(lambda p, x: jax.nn.log_softmax(nnx.merge(graphdef, p)(x), axis=-1))
 
@@ -176,7 +176,7 @@ def _next_log_probs(workdir: str):
     """log p of the next byte after `ids`, by a plain forward pass on one device."""
     config = load_config("lm_tiny")
     apply_overrides(config, [*SMALL_LM, "mesh.data=1"])
-    graphdef, _ = _abstract_model(config)
+    graphdef, _ = _abstract_model(run_config(config))
     params, _ = restore_params(f"{workdir}/checkpoints", 2)
     forward = jax.jit(lambda p, x: jax.nn.log_softmax(nnx.merge(graphdef, p)(x), axis=-1))
     return lambda ids: np.asarray(forward(params, jnp.asarray([ids], jnp.int32)))[0, -1]

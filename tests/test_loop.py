@@ -1,6 +1,7 @@
 """The loop's evaluation: every held-out row, once, whatever the split; the last step's
 record and eval whatever the periods; and the peak its MFU divides by."""
 
+import dataclasses
 import json
 import types
 
@@ -14,7 +15,7 @@ from flax import nnx
 from small_configs import SMALL_LM
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.models import build_model
@@ -40,7 +41,8 @@ def digits_on(devices, per_device):
             "batch.grad_accum_steps=1",
         ],
     )
-    mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:devices])
+    config = run_config(config)
+    mesh = make_mesh(dataclasses.asdict(config.mesh), jax.devices()[:devices])
     plan = plan_from_config(config, mesh_shape(mesh))
     return config, plan, build(config, plan, mesh)
 

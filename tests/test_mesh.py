@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 from small_configs import SMALL_LM
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.mesh import MeshError, make_mesh, mesh_shape, resolve_mesh_shape
 from jaxkit.step.train_step import build
 
@@ -51,7 +51,7 @@ def test_state_shardings_on_2x2x2_follow_the_rules():
     config = load_config("lm_tiny")
     apply_overrides(config, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.max_bytes=20000"])
     mesh = make_mesh(config.mesh.to_dict())
-    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    setup = build(run_config(config), plan_from_config(run_config(config), mesh_shape(mesh)), mesh)
     state = setup.init(jax.random.key(0))
     params, block = state.params, state.params["blocks"][0]
     expected = {
@@ -149,8 +149,8 @@ def compiled_cost(*overrides):
     config = load_config("lm_tiny")
     apply_overrides(config, [*WIDE, *overrides])
     mesh = make_mesh(config.mesh.to_dict())
-    plan = plan_from_config(config, mesh_shape(mesh))
-    return compile_setup_step(config, plan, build(config, plan, mesh))[1]
+    plan = plan_from_config(run_config(config), mesh_shape(mesh))
+    return compile_setup_step(run_config(config), plan, build(run_config(config), plan, mesh))[1]
 
 
 def test_fsdp_saves_memory_on_a_wider_model():

@@ -16,7 +16,7 @@ from test_equivalence import LOSS_RTOL, PARAM_ATOL, SEED_SPLITS, max_param_diff
 from token_dirs import write_prepared
 
 from jaxkit.batch import mixture
-from jaxkit.config import ConfigError, apply_overrides, check_values, load_config
+from jaxkit.config import ConfigError, apply_overrides, check_values, load_config, run_config
 from jaxkit.data import sources as data_lib
 from jaxkit.records.metrics import read_metrics
 
@@ -57,7 +57,7 @@ def _sources(dirs, *overrides):
     config = load_config("llama_tiny")
     apply_overrides(config, [*RUN[2:-1], _mix(dirs), *overrides])
     check_values(config)
-    return data_lib.make_sources(config)
+    return data_lib.make_sources(run_config(config))
 
 
 def _order(weights, text=""):
@@ -214,7 +214,7 @@ def test_a_resume_compares_the_stages_as_they_draw_rows(dirs):
     configs = {name: _spelled(dirs, *spelling) for name, spelling in SPELLINGS.items()}
     facts, rows = {}, {}
     for name, config in configs.items():
-        train, held_out = data_lib.make_sources(config)
+        train, held_out = data_lib.make_sources(run_config(config))
         facts[name] = data_lib.data_facts(train, held_out)[data_lib.MIXTURE_STAGES]
         rows[name] = train.stream_rows(0, 256, 3)
     for saved, now in itertools.permutations(configs, 2):
@@ -222,7 +222,7 @@ def test_a_resume_compares_the_stages_as_they_draw_rows(dirs):
         assert config_conflicts(configs[saved].to_dict(), configs[now].to_dict()) == []
         assert mixture.stage_changes(facts[saved], facts[now], 256) == [], (saved, now)
     changed = _spelled(dirs, {}, "0:web=0.7+code=0.3,64:web=1+code=2")
-    changed_facts = data_lib.data_facts(*data_lib.make_sources(changed))
+    changed_facts = data_lib.data_facts(*data_lib.make_sources(run_config(changed)))
     changed_stages = changed_facts[data_lib.MIXTURE_STAGES]
     assert mixture.stage_changes(facts["whole"], changed_stages, 64) == []
     assert mixture.stage_changes(facts["whole"], changed_stages, 65) == [
@@ -603,7 +603,7 @@ def test_each_sources_masks_score_its_rows_in_the_mixture(tmp_path):
         config, [*RUN[2:-1], "data.rows=documents", "data.mixture=" + json.dumps(value)]
     )
     check_values(config)
-    train, _ = data_lib.make_sources(config)
+    train, _ = data_lib.make_sources(run_config(config))
     ids = train.stream_rows(0, 64, 0)
     got = train[ids]["weights"]
     for s, part in enumerate(train.parts):
@@ -650,5 +650,5 @@ def test_a_config_file_gives_the_mixture_as_a_dict(dirs, tmp_path):
     config = load_config(str(tmp_path / "mix.py"))
     apply_overrides(config, RUN[2:-1])
     check_values(config)
-    train, held_out = data_lib.make_sources(config)
+    train, held_out = data_lib.make_sources(run_config(config))
     assert train.names == held_out.names == ("code", "web")

@@ -182,8 +182,7 @@ def test_a_saved_config_keeps_its_dict_valued_keys():
     it was saved with (saved as its fields): model.rope_scaling was set to null, so a
     Llama 3.1 run was sampled and evaluated without its rotary scaling, and data.mixture
     was lost."""
-    from jaxkit.config import apply_overrides, load_config
-    from jaxkit.generate.source import _saved_config
+    from jaxkit.config import apply_overrides, load_config, saved_config
 
     config = load_config("llama_tiny")
     rope = {
@@ -193,7 +192,7 @@ def test_a_saved_config_keeps_its_dict_valued_keys():
         "original_max_position_embeddings": 64,
     }
     apply_overrides(config, ["model.rope_scaling=" + json.dumps(rope)])
-    saved = _saved_config(json.loads(json.dumps(config.to_dict())))
+    saved = saved_config(json.loads(json.dumps(config.to_dict())))
     assert saved.model.rope_scaling.to_dict() == config.model.rope_scaling.to_dict()
 
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxkit import models
-from jaxkit.config import apply_overrides, flatten, load_config
+from jaxkit.config import apply_overrides, flatten, load_config, run_config
 from jaxkit.keys import REQUIRED, ConfigError
 from jaxkit.models import Contract
 
@@ -93,7 +93,8 @@ def test_each_kind_provides_the_whole_contract(kind):
 @pytest.mark.parametrize("kind", sorted(KIND_CONFIGS))
 def test_the_contract_describes_the_network_it_builds(kind):
     config = _config(kind)
-    contract = models.contract(config)
+    typed = run_config(config)
+    contract = models.contract(typed)
     assert contract is _contract_of(kind)
     # Its keys: the config gives each required one, every present one keeps its rule, and
     # the checks between them pass (a bad value is refused: test_validate.py).
@@ -104,11 +105,11 @@ def test_the_contract_describes_the_network_it_builds(kind):
         if key.name in flat:
             assert key.rule(flat[key.name]) is None, key.name
     contract.check_values(flat)
-    contract.check_model(config)
+    contract.check_model(typed)
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: contract.build(config, nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: contract.build(typed, nnx.Rngs(0)))
     d = config.data
-    if contract.is_lm(config):
+    if contract.is_lm(typed):
         inputs = jax.ShapeDtypeStruct((2, d.seq_len), jnp.int32)
         want = (2, d.seq_len, config.model.vocab_size)
     else:
@@ -117,18 +118,18 @@ def test_the_contract_describes_the_network_it_builds(kind):
     assert nnx.eval_shape(lambda m, x: m(x), model, inputs).shape == want
     # Every size the contract lists as sharded is a config value the network has a dimension of.
     shapes = {s for _, p in nnx.to_flat_state(nnx.state(model, nnx.Param)) for s in p.shape}
-    for key, size, _ in contract.sharded_sizes(config):
+    for key, size, _ in contract.sharded_sizes(typed):
         section, leaf = key.split(".")
         assert config[section][leaf] == size and size in shapes, key
     # Matmul params are a part of the params, and model FLOPs follow from them: 6 per matmul
     # param per example for a classifier, more (× tokens, and attention) for an LM.
     params = [(str(path[-1]), p.size) for path, p in nnx.to_flat_state(nnx.state(model, nnx.Param))]
-    n = contract.matmul_params(config, params)
+    n = contract.matmul_params(typed, params)
     assert 0 < n <= sum(size for _, size in params)
-    per_example = contract.flops_per_example(config, n)
-    assert per_example >= 6 * n * (d.seq_len if contract.is_lm(config) else 1)
+    per_example = contract.flops_per_example(typed, n)
+    assert per_example >= 6 * n * (d.seq_len if contract.is_lm(typed) else 1)
     # Only the kinds that read the LM options report them.
-    facts = contract.facts(config)
+    facts = contract.facts(typed)
     assert bool(facts) == contract.READS_LM_OPTIONS
     options = {"param_dtype", "compute_dtype", "remat", "scan_layers", "attention"}
     assert set(facts) <= options | {"loss_chunk_tokens"}

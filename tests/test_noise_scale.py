@@ -13,7 +13,7 @@ from test_equivalence import STEPS, reference_for, small_config
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.noise_scale import SMALL_BATCH_ROWS, NoiseScale, unbiased_estimates
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data import sources as data_lib
 from jaxkit.models import build_model, cross_entropy
 from jaxkit.records.metrics import read_metrics
@@ -103,9 +103,9 @@ def test_the_small_batch_is_the_first_row_of_the_global_batch(mesh):
     config = load_config("mlp_digits")
     apply_overrides(config, ["batch.global_batch_size=32", "batch.per_device_batch_size=2", *mesh])
     mesh = mesh_lib.make_mesh(config.mesh.to_dict())
-    plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
-    setup = build(config, plan, mesh)
-    source, _ = data_lib.make_sources(config)
+    plan = plan_from_config(run_config(config), mesh_lib.mesh_shape(mesh))
+    setup = build(run_config(config), plan, mesh)
+    source, _ = data_lib.make_sources(run_config(config))
     state = setup.init(jax.random.key(0))
     params = jax.device_get(state.params)
 
@@ -193,9 +193,10 @@ def test_logged_noise_scale_matches_one_computed_from_micro_batch_gradients(accu
     assert all(r["skipped_micro_batches"] == 0 for r in logged)
 
     _, _, trajectory = reference_for("mlp_digits", overrides)
+    typed = run_config(config)
     with nnx.use_eager_sharding(False):
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
-    source, _ = data_lib.make_sources(config)
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(typed, nnx.Rngs(0))))
+    source, _ = data_lib.make_sources(typed)
 
     @jax.jit
     def grad_sq(params, inputs, targets):  # |∇ mean loss over these rows|²

@@ -31,7 +31,7 @@ from test_multiprocess import finish, start
 from token_dirs import padded_prompt_completion
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import load_global_batch, load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.models import build_model
@@ -56,7 +56,7 @@ def test_rows_weigh_differently(padded):
     """The premise: padded rows' weights differ a lot, so a micro-batch mean is not exact."""
     config = load_config("lm_tiny")
     apply_overrides(config, ["data.seq_len=16", *padded])
-    train, _ = make_sources(config)
+    train, _ = make_sources(run_config(config))
     sums = train.row_weight_sums(np.arange(len(train)))
     assert sums.min() <= 2 and sums.max() >= 7, (sums.min(), sums.max())
     rows = train[np.arange(len(train))]
@@ -78,11 +78,11 @@ def test_loss_weights_of_a_step_sum_to_one(padded, accumulation):
             "batch.per_device_batch_size=2",
         ],
     )
-    train, _ = make_sources(config)
+    train, _ = make_sources(run_config(config))
     mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:4])
-    plan = plan_from_config(config, mesh_shape(mesh))
+    plan = plan_from_config(run_config(config), mesh_shape(mesh))
     assert plan.grad_accum_steps == 4
-    setup = build(config, plan, mesh)
+    setup = build(run_config(config), plan, mesh)
     for normalisation in ("exact", "naive"):
         if accumulation == "fused":
             batch = load_global_batch(train, 64, plan, 0, setup.fused_batch_sharding, normalisation)
@@ -129,9 +129,10 @@ def test_padded_splits_and_fused_match_a_weighted_full_batch_reference(padded, r
 def reference_eval(config, params):
     """Σ weight × loss / Σ weight over the first train.eval_examples held-out rows, in one
     call on the host's params with optax's cross-entropy (no jaxkit eval step)."""
+    typed = run_config(config)
     with nnx.use_eager_sharding(False):
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
-    _, held_out = make_sources(config)
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(typed, nnx.Rngs(0))))
+    _, held_out = make_sources(typed)
     rows = held_out[np.arange(config.train.eval_examples)]
     # One compiled forward pass and cross-entropy, not an op at a time.
     forward = jax.jit(

@@ -22,7 +22,7 @@ from token_dirs import padded_prompt_completion
 
 from jaxkit import experiments
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import global_batch_rows, make_sources
 from jaxkit.experiments import Split, normalisation
 from jaxkit.mesh import make_mesh, mesh_shape
@@ -51,11 +51,13 @@ def first_step_losses(overrides, accums):
     # comes from the compile cache (every split starts from the same params).
     apply_overrides(config, [*SMALL, *overrides, "batch.per_device_batch_size=4"])
     mesh = make_mesh(config.mesh.to_dict(), jax.devices()[:8])
-    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    setup = build(run_config(config), plan_from_config(run_config(config), mesh_shape(mesh)), mesh)
     params = jax.device_get(setup.init(jax.random.key(config.train.seed)).params)
     with nnx.use_eager_sharding(False):
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
-    source, _ = make_sources(config)
+        graphdef, _ = nnx.split(
+            nnx.eval_shape(lambda: build_model(run_config(config), nnx.Rngs(0)))
+        )
+    source, _ = make_sources(run_config(config))
     batch = source[global_batch_rows(0, 32, len(source), config.train.seed)]
     # One compiled forward pass and cross-entropy on one device, not an op at a time.
     forward = jax.jit(

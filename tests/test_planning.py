@@ -6,7 +6,7 @@ import json
 from small_configs import SMALL_LM
 
 from jaxkit import cli
-from jaxkit.config import load_config
+from jaxkit.config import load_config, run_config
 from jaxkit.plan import planning
 
 # Seconds a compile took and whether the cache served it: measured per call, not answers.
@@ -23,7 +23,7 @@ def test_all_splits_returns_what_plan_all_splits_json_prints(capsys):
     assert cli.main([*line, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
 
-    request = planning.request(load_config("mlp_digits"), memory_budget="1MiB")
+    request = planning.request(run_config(load_config("mlp_digits")), memory_budget="1MiB")
     result = planning.all_splits(request, device_counts=[8])
     assert without_timings(result.to_json()) == without_timings(printed)
     # mlp_digits' global batch of 32 on 8 devices: 4 rows a device, as 4×1, 2×2 or 1×4.
@@ -38,7 +38,10 @@ def test_all_splits_returns_what_plan_all_splits_json_prints(capsys):
 def test_summary_returns_what_plan_json_prints(capsys):
     assert cli.main(["plan", "mlp_digits", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert planning.summary(planning.request(load_config("mlp_digits"))).to_json() == printed
+    assert (
+        planning.summary(planning.request(run_config(load_config("mlp_digits")))).to_json()
+        == printed
+    )
 
 
 def test_a_runs_plan_json_is_what_plan_json_prints(tmp_path, capsys):

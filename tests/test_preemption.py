@@ -19,7 +19,7 @@ import pytest
 from cli_run import jaxkit, python_c
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.records.metrics import read_metrics
 from jaxkit.step.train_step import build
@@ -100,7 +100,9 @@ def abstract_train_state():
     config = load_config("lm_tiny")
     apply_overrides(config, OVERRIDES)
     mesh = make_mesh(config.mesh.to_dict())
-    return abstract_state(build(config, plan_from_config(config, mesh_shape(mesh)), mesh))
+    return abstract_state(
+        build(run_config(config), plan_from_config(run_config(config), mesh_shape(mesh)), mesh)
+    )
 
 
 def final_state(workdir):

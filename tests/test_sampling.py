@@ -13,7 +13,7 @@ from small_configs import SMALL_LM
 from test_hf_reference import HF_SHAPE, flax_logits, jaxkit_config, random_tensors, write_hf_dir
 
 from jaxkit import mesh as mesh_lib
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.generate import sampling
 from jaxkit.models import build_model
 from jaxkit.models.common import Decoding
@@ -29,7 +29,7 @@ def _model(name: str, *overrides: str) -> tuple:
     config = load_config(name)
     apply_overrides(config, [*TINY, *overrides])
     with nnx.use_eager_sharding(False):
-        model = build_model(config, nnx.Rngs(1))
+        model = build_model(run_config(config), nnx.Rngs(1))
     return config, model
 
 
@@ -56,7 +56,7 @@ def test_cached_logits_equal_a_full_forward_pass_at_every_generated_position(
         mesh = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
     config, model = _model(name, f"model.scan_layers={scan}", *mesh)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    sampler = sampling.Sampler(config, _mesh(config, devices), params)
+    sampler = sampling.Sampler(run_config(config), _mesh(config, devices), params)
     samples, logits = sampler.generate(
         PROMPTS, max_new=NEW, settings=sampling.Settings(temperature=1.0), seed=0, keep_logits=True
     )
@@ -150,7 +150,7 @@ def test_a_seed_gives_the_same_samples_on_1_and_8_devices():
         (8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
     ):
         apply_overrides(config, [*mesh, "mesh.fsdp=1", "mesh.tensor=1"] if devices == 1 else mesh)
-        sampler = sampling.Sampler(config, _mesh(config, devices), params)
+        sampler = sampling.Sampler(run_config(config), _mesh(config, devices), params)
         for seed in (0, 1):
             samples, _ = sampler.generate(prompts, max_new=NEW, settings=settings, seed=seed)
             drawn.append([s.tokens for s in samples])
@@ -173,7 +173,7 @@ def test_a_rows_draws_follow_its_place_among_all_rows_not_within_its_batch():
     prompt's distribution), so samples 64 and 65 are not samples 0 and 1 again."""
     config, model = _model("lm_tiny", "mesh.data=1")
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    sampler = sampling.Sampler(config, _mesh(config, 1), params)
+    sampler = sampling.Sampler(run_config(config), _mesh(config, 1), params)
     settings = sampling.Settings(temperature=1.0)
     rows = 66
     samples, _ = sampler.generate([PROMPTS[1]] * rows, max_new=4, settings=settings, seed=5)
@@ -480,8 +480,8 @@ def test_recomputing_the_prefix_gives_the_tokens_the_cache_gives():
     data.seq_len=32 (a bucket of 16 and 20 new tokens would not: learned positions end)."""
     config, model = _model("lm_tiny", "mesh.data=1")
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    cached = sampling.Sampler(config, _mesh(config, 1), params)
-    recomputed = sampling.Sampler(config, _mesh(config, 1), params)
+    cached = sampling.Sampler(run_config(config), _mesh(config, 1), params)
+    recomputed = sampling.Sampler(run_config(config), _mesh(config, 1), params)
     recomputed.decoding = Decoding(cache=None, max_positions=32)
     settings = sampling.Settings(temperature=0.7, top_k=40)
     drawn = [

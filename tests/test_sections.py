@@ -26,7 +26,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_the_committed_sections_are_what_the_declarations_generate():
     committed = (ROOT / "jaxkit" / "sections.py").read_text()
-    assert committed == sections_module(), "jaxkit/sections.py is stale: run python docs/generate.py"
+    assert committed == sections_module(), (
+        "jaxkit/sections.py is stale: run python docs/generate.py"
+    )
 
 
 def _fits(value: object, annotation: object) -> bool:

@@ -13,6 +13,7 @@ from cli_run import jaxkit  # in-process: these claims are about what a plan pri
 from small_configs import SMALL_LM
 from test_cli import jaxkit as jaxkit_process
 
+from jaxkit.config import run_config
 from jaxkit.plan import targets
 from jaxkit.plan.targets import TargetError, parse_target, target_devices
 
@@ -156,7 +157,7 @@ def test_max_per_device_batch_on_a_target_searches_with_the_tpu_compiler():
     devices = target_devices(parse_target("v5litepod-8"))
     at = {}
     for b in (1, 2):
-        split = costs.split_config(config, b, 1)
+        split = costs.split_config(run_config(config), b, 1)
         plan = plan_from_config(split, {"data": 8, "fsdp": 1, "tensor": 1})
         at[b] = costs.step_cost(split, plan, devices).memory_bytes
     assert at[1] < at[2]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from small_configs import SMALL_LM
 
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data import docstrings
 from jaxkit.data.prepare import prepare
 from jaxkit.data.sources import make_sources
@@ -62,7 +62,7 @@ def test_a_token_config_trains_on_what_its_prepare_command_wrote(
     config = load_config(name)
     apply_overrides(config, [*SHRINK, "train.steps=4", "train.eval_every=0",
                              "train.eval_examples=64", "checkpoint.every=0"])  # fmt: skip
-    train_rows, _ = make_sources(config)
+    train_rows, _ = make_sources(run_config(config))
     if name == "sft_tiny":  # padded documents: prompts and padding weigh 0
         assert 0 < train_rows[np.arange(64)]["weights"].mean() < 1
     else:  # packed windows with segments: the row where the second document starts

@@ -15,7 +15,7 @@ from flax import nnx
 from small_configs import SMALL_LM
 from token_dirs import write_prepared
 
-from jaxkit.config import ConfigError, apply_overrides, load_config, validate
+from jaxkit.config import ConfigError, apply_overrides, load_config, run_config, validate
 from jaxkit.data import token_files
 from jaxkit.data.sources import DataError, make_sources
 from jaxkit.models import build_model
@@ -34,7 +34,7 @@ def test_foreign_bin_files_are_one_stream_of_windows_across_files(tmp_path):
     stream[:600].tofile(tmp_path / "a.bin")
     stream[600:].tofile(tmp_path / "b.bin")
     config = lm_config("data.source=tokens", f"data.path={tmp_path}", "data.eval_fraction=0.2")
-    train, held_out = make_sources(config)
+    train, held_out = make_sources(run_config(config))
     assert len(train) == (800 - 1) // 8 and len(held_out) == (200 - 1) // 8
     rows = train[np.arange(len(train))]
     for r in range(len(train)):
@@ -56,12 +56,12 @@ def test_a_glob_an_npy_file_and_uint32(tmp_path):
         "data.token_dtype=uint32",
         "model.vocab_size=300000",
     )
-    train, _ = make_sources(config)
+    train, _ = make_sources(run_config(config))
     np.testing.assert_array_equal(train[np.array([1])]["inputs"][0], big[8:16])
     config = lm_config(
         "data.source=tokens", f"data.path={tmp_path}/other.npy", "model.vocab_size=400"
     )
-    train, _ = make_sources(config)
+    train, _ = make_sources(run_config(config))
     np.testing.assert_array_equal(train[np.array([2])]["targets"][0], np.arange(17, 25))
 
 
@@ -75,7 +75,7 @@ def test_token_files_behind_a_url_are_read_in_ranges(tmp_path):
     with fs.open("/bucket/data/train-1.bin", "wb") as f:
         f.write(stream[1500:].tobytes())
     config = lm_config("data.source=tokens", "data.path=memory://bucket/data")
-    train, _ = make_sources(config)
+    train, _ = make_sources(run_config(config))
     assert isinstance(train.split.tokens.shards[0], token_files._RangeFile)
     row = 187  # tokens 1496..1504: across the two objects
     np.testing.assert_array_equal(train[np.array([row])]["inputs"][0], stream[1496:1504])
@@ -85,7 +85,7 @@ def test_prepared_windows_carry_mask_weights_and_documents_pad(tmp_path):
     docs = [([1, 2, 3], [4, 5]), ([6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]), ([18], [19])]
     write_prepared(tmp_path, {"train": docs * 4, "eval": docs}, shard_docs=5)
     config = lm_config("data.source=tokens", f"data.path={tmp_path}", "model.vocab_size=257")
-    train, held_out = make_sources(config)
+    train, held_out = make_sources(run_config(config))
     stream = np.concatenate([[*p, *c, 256] for p, c in docs * 4])
     mask = np.concatenate([[0] * len(p) + [1] * (len(c) + 1) for p, c in docs * 4])
     rows = train[np.arange(len(train))]
@@ -97,7 +97,7 @@ def test_prepared_windows_carry_mask_weights_and_documents_pad(tmp_path):
     )
     # documents: one per row, the first L + 1 tokens, padded with the eod id at weight 0.
     config.data.rows = "documents"
-    train, held_out = make_sources(config)
+    train, held_out = make_sources(run_config(config))
     assert len(train) == 12 and len(held_out) == 3
     rows = train[np.arange(3)]
     np.testing.assert_array_equal(rows["inputs"][0], [1, 2, 3, 4, 5, 256, 256, 256])
@@ -124,7 +124,7 @@ def test_document_mask_makes_each_packed_document_see_only_itself(kind, scan):
     not cross the boundary and positions restart (learned positions and rotary)."""
     config = lm_config(f"model.scan_layers={scan}", "model.remat=dots", name=kind)
     with nnx.use_eager_sharding(False):
-        graphdef, params = nnx.split(build_model(config, nnx.Rngs(0)))
+        graphdef, params = nnx.split(build_model(run_config(config), nnx.Rngs(0)))
     first, second = [3, 4, 5, 9], [6, 7, 8, 10]  # 9 ends the first document
     packed = np.array([first + second])
     segment_ids, positions = token_files.segments(packed, eod_id=9)
@@ -165,25 +165,33 @@ def test_bad_token_files_are_clear_errors(tmp_path):
     base = ["data.source=tokens", "model.vocab_size=257"]
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")  # 3 bytes: not whole uint16 ids
     with pytest.raises(DataError, match="not a whole number of uint16 tokens"):
-        make_sources(lm_config(*base, f"data.path={tmp_path}/odd.bin"))
+        make_sources(run_config(lm_config(*base, f"data.path={tmp_path}/odd.bin")))
     with pytest.raises(DataError, match="matches no token file"):
-        make_sources(lm_config(*base, f"data.path={tmp_path}/nothing-*.bin"))
+        make_sources(run_config(lm_config(*base, f"data.path={tmp_path}/nothing-*.bin")))
     (tmp_path / "odd.bin").unlink()
     np.full(100, 300, dtype="<u2").tofile(tmp_path / "big.bin")
     with pytest.raises(DataError, match=r"token id 300, not below model.vocab_size=257"):
-        make_sources(lm_config(*base, f"data.path={tmp_path}/big.bin"))
+        make_sources(run_config(lm_config(*base, f"data.path={tmp_path}/big.bin")))
     with pytest.raises(DataError, match="needs the document index"):
-        make_sources(lm_config(*base, f"data.path={tmp_path}/big.bin", "model.vocab_size=301",
-                               "data.rows=documents"))  # fmt: skip
+        make_sources(
+            run_config(
+                lm_config(
+                    *base,
+                    f"data.path={tmp_path}/big.bin",
+                    "model.vocab_size=301",
+                    "data.rows=documents",
+                )
+            )
+        )
     prepared = tmp_path / "prepared"
     write_prepared(prepared, {"train": [([1], [2])] * 30, "eval": [([1], [2])] * 3},
                    vocab_size=1000, eod_id=999)  # fmt: skip
     with pytest.raises(DataError, match=r"1000-token vocabulary, above model\.vocab_size=257"):
-        make_sources(lm_config(*base, f"data.path={prepared}"))
+        make_sources(run_config(lm_config(*base, f"data.path={prepared}")))
     meta = json.loads((prepared / "meta.json").read_text())
     (prepared / "meta.json").write_text(json.dumps(meta | {"version": 99}))
     with pytest.raises(DataError, match=r"not a jaxkit\.tokens version 1 meta\.json"):
-        make_sources(lm_config(*base, f"data.path={prepared}", "model.vocab_size=1000"))
+        make_sources(run_config(lm_config(*base, f"data.path={prepared}", "model.vocab_size=1000")))
     with pytest.raises(ConfigError, match=r"data\.document_mask=True reads document ends"):
         validate(lm_config("data.document_mask=true"))
     with pytest.raises(ConfigError, match=r"data\.path"):
@@ -201,7 +209,7 @@ def test_foreign_files_state_no_vocabulary_so_every_id_is_checked(tmp_path):
         512,
     )
     with pytest.raises(DataError, match="token id 512"):
-        make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
+        make_sources(run_config(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin")))
 
 
 def test_uint32_ids_read_as_uint16_are_refused(tmp_path):
@@ -215,13 +223,17 @@ def test_uint32_ids_read_as_uint16_are_refused(tmp_path):
     ]
     assert [token_files.token_range(p, chunk=64).odd_top for p in parts] == [0, 0]
     with pytest.raises(DataError, match=r"^data\.token_dtype=uint32 .*every second id is 0 "):
-        make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
+        make_sources(run_config(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin")))
     make_sources(
-        lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin", "data.token_dtype=uint32")
+        run_config(
+            lm_config(
+                "data.source=tokens", f"data.path={tmp_path}/t.bin", "data.token_dtype=uint32"
+            )
+        )
     )
     # Real uint16 ids: one nonzero id at an odd position is enough to tell.
     ids.astype("<u2").tofile(tmp_path / "t.bin")
-    make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin"))
+    make_sources(run_config(lm_config("data.source=tokens", f"data.path={tmp_path}/t.bin")))
 
 
 def test_uint32_ids_above_65535_read_as_uint16_are_refused(tmp_path):
@@ -236,14 +248,14 @@ def test_uint32_ids_above_65535_read_as_uint16_are_refused(tmp_path):
     with pytest.raises(
         DataError, match=r"^data\.token_dtype=uint32 .*every second id is at most 1 "
     ):
-        make_sources(lm_config(*base))
-    train, _ = make_sources(lm_config(*base, "data.token_dtype=uint32"))
+        make_sources(run_config(lm_config(*base)))
+    train, _ = make_sources(run_config(lm_config(*base, "data.token_dtype=uint32")))
     np.testing.assert_array_equal(train[np.array([1])]["inputs"][0], ids[8:16])
     # uint16 ids of 0 and 1 only: every odd id is ≤ 1, but so is every even one, which a
     # low half need not be. Inconclusive, so read as they are.
     bits = np.random.default_rng(1).integers(0, 2, size=3000).astype("<u2")
     bits.tofile(tmp_path / "t.bin")
-    train, _ = make_sources(lm_config(*base))
+    train, _ = make_sources(run_config(lm_config(*base)))
     np.testing.assert_array_equal(train[np.array([2])]["targets"][0], bits[17:25])
 
 
@@ -266,7 +278,7 @@ def test_uint32_ids_read_as_uint16_are_refused_whatever_model_vocab_size_says(tm
         assert err[0].startswith("jaxkit: error: data.token_dtype=uint32 "), err[0]
     # Fewer than 1,024 ids do not tell real uint16 ids from halves: read as they are.
     ids[:500].tofile(tmp_path / "t.bin")
-    make_sources(lm_config(*data[:2], "model.vocab_size=65536"))
+    make_sources(run_config(lm_config(*data[:2], "model.vocab_size=65536")))
 
 
 def test_with_init_from_a_larger_vocabulary_is_another_tokenizer(tmp_path):
@@ -302,7 +314,7 @@ def test_nanogpt_layout_trains_on_train_bin_and_holds_out_val_bin(tmp_path):
     val_ids.tofile(tmp_path / "val.bin")
     (tmp_path / "meta.pkl").write_bytes(b"\x80\x04N.")
     config = lm_config("data.source=tokens", f"data.path={tmp_path}", "data.eval_fraction=0.5")
-    train, held_out = make_sources(config)
+    train, held_out = make_sources(run_config(config))
     assert (len(train), len(held_out)) == ((900 - 1) // 8, (300 - 1) // 8)
     rows = train[np.arange(len(train))]["inputs"]
     np.testing.assert_array_equal(rows.reshape(-1), train_ids[: len(train) * 8])
@@ -318,9 +330,9 @@ def test_a_glob_over_nanogpt_layout_is_refused_naming_the_directory(tmp_path):
     (np.arange(300, dtype="<u2") % 251).tofile(tmp_path / "val.bin")
     for path in (f"{tmp_path}/*.bin", f"{tmp_path}/*", f"{tmp_path}/[tv]*.bin"):
         with pytest.raises(DataError, match=rf"val\.bin.*pass data\.path={tmp_path} \(trains"):
-            make_sources(lm_config("data.source=tokens", f"data.path={path}"))
+            make_sources(run_config(lm_config("data.source=tokens", f"data.path={path}")))
     config = lm_config("data.source=tokens", f"data.path={tmp_path}/train.bin")
-    train, held_out = make_sources(config)
+    train, held_out = make_sources(run_config(config))
     assert len(train) + len(held_out) <= (900 - 1) // 8
 
 
@@ -334,7 +346,7 @@ def test_a_glob_into_a_prepared_directory_is_refused_and_side_files_are_no_token
         with pytest.raises(
             DataError, match=rf"reaches into {prepared}, a prepared .*data\.path={prepared} inst"
         ):
-            make_sources(lm_config("data.source=tokens", f"data.path={path}"))
+            make_sources(run_config(lm_config("data.source=tokens", f"data.path={path}")))
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     stream = np.arange(1000, dtype="<u2") % 251
@@ -342,11 +354,11 @@ def test_a_glob_into_a_prepared_directory_is_refused_and_side_files_are_no_token
     stream[600:].tofile(foreign / "b.bin")
     (foreign / "notes.json").write_text('{"vocab_size": 251}')
     config = lm_config("data.source=tokens", f"data.path={foreign}/*", "data.eval_fraction=0.2")
-    train, held_out = make_sources(config)
+    train, held_out = make_sources(run_config(config))
     assert (len(train), len(held_out)) == ((800 - 1) // 8, (200 - 1) // 8)
     np.testing.assert_array_equal(held_out[np.array([0])]["inputs"][0], stream[800:808])
     with pytest.raises(DataError, match=r"notes\.json' is a side file"):
-        make_sources(lm_config("data.source=tokens", f"data.path={foreign}/notes.json"))
+        make_sources(run_config(lm_config("data.source=tokens", f"data.path={foreign}/notes.json")))
 
 
 def test_a_prepared_directory_is_checked_against_its_meta(tmp_path):
@@ -360,31 +372,34 @@ def test_a_prepared_directory_is_checked_against_its_meta(tmp_path):
         write_prepared(tmp_path / name, {"train": docs, "eval": docs[:4]})
         return tmp_path / name
 
-    assert len(make_sources(lm_config(*base, f"data.path={fresh('ok')}"))[0]) == 40
+    assert len(make_sources(run_config(lm_config(*base, f"data.path={fresh('ok')}")))[0]) == 40
     no_meta = fresh("no_meta")
     (no_meta / "meta.json").unlink()
     with pytest.raises(DataError, match=r"prepared directory.s shards but no meta\.json"):
-        make_sources(lm_config("data.source=tokens", "model.vocab_size=257",
-                               f"data.path={no_meta}"))  # fmt: skip
+        make_sources(
+            run_config(
+                lm_config("data.source=tokens", "model.vocab_size=257", f"data.path={no_meta}")
+            )
+        )
     cut = fresh("cut")
     shard = cut / "train-00000.bin"
     shard.write_bytes(shard.read_bytes()[:-20])  # ten uint16 tokens fewer
     with pytest.raises(DataError, match=r"230 tokens .* but meta\.json says 240"):
-        make_sources(lm_config(*base, f"data.path={cut}"))
+        make_sources(run_config(lm_config(*base, f"data.path={cut}")))
     gone = fresh("gone")
     (gone / "train-00000.docs.npy").unlink()
     with pytest.raises(DataError, match="a shard of the train split cannot be read"):
-        make_sources(lm_config(*base, f"data.path={gone}"))
+        make_sources(run_config(lm_config(*base, f"data.path={gone}")))
     past = fresh("past")
     np.save(past / "train-00000.docs.npy", np.array([0, 5, 500]))
     with pytest.raises(DataError, match="document starts do not lie in order"):
-        make_sources(lm_config(*base, f"data.path={past}"))
+        make_sources(run_config(lm_config(*base, f"data.path={past}")))
     broken = fresh("broken")
     meta = json.loads((broken / "meta.json").read_text())
     del meta["shards"]
     (broken / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match="no valid 'shards' entry"):
-        make_sources(lm_config(*base, f"data.path={broken}"))
+        make_sources(run_config(lm_config(*base, f"data.path={broken}")))
 
 
 def test_negative_ids_in_a_signed_npy_are_refused(tmp_path):
@@ -392,7 +407,7 @@ def test_negative_ids_in_a_signed_npy_are_refused(tmp_path):
     ids[::7] = -1
     np.save(tmp_path / "neg.npy", ids)
     with pytest.raises(DataError, match="token id -1: ids are ≥ 0"):
-        make_sources(lm_config("data.source=tokens", f"data.path={tmp_path}/neg.npy"))
+        make_sources(run_config(lm_config("data.source=tokens", f"data.path={tmp_path}/neg.npy")))
 
 
 def test_held_out_rows_that_score_nothing_are_refused_before_training(tmp_path):
@@ -524,7 +539,7 @@ def test_a_resume_on_re_prepared_tokens_is_refused_naming_what_changed(token_run
     config = load_config("lm_tiny")
     apply_overrides(config, [a for a in args[2:] if "=" in a])
     assert "fingerprint" in saved["data"]
-    assert data_changes(saved["data"], data_facts(*make_sources(config))) == []
+    assert data_changes(saved["data"], data_facts(*make_sources(run_config(config)))) == []
 
 
 def test_another_config_on_a_workdir_lists_the_config_differences(token_run, capsys):

@@ -18,6 +18,7 @@ from test_hf_io import small_config, write_hf
 from test_prepare import CORPUS, train_bpe
 from tokenizers import Tokenizer
 
+from jaxkit.config import run_config
 from jaxkit.data.sources import data_facts, make_sources
 
 # The model's sizes (test_hf_io's SMALL, with room for the BPE's ids) and a one-step run of
@@ -133,7 +134,7 @@ def test_prepare_records_the_tokenizer_s_canonical_sha256_outside_the_fingerprin
     compact = prepared(model, "compact", str(tmp_path / "compact.json"))
     meta = json.loads((compact / "meta.json").read_text())
     assert meta["tokenizer_sha256"] == expected
-    config = small_config(*SMALL, "data.source=tokens", f"data.path={compact}")
+    config = run_config(small_config(*SMALL, "data.source=tokens", f"data.path={compact}"))
     fingerprint = make_sources(config)[0].fingerprint
     del meta["tokenizer_sha256"]
     (compact / "meta.json").write_text(json.dumps(meta))
@@ -155,13 +156,15 @@ def test_token_files_that_cannot_say_their_tokenizer_are_read_with_one_warning(m
     ours = prepared(model, "ours", str(model / "hf" / "tokenizer.json"))
     init_from = f"model.init_from=hf:{model / 'hf'}"
     config = small_config(*SMALL, init_from, "data.source=tokens", f"data.path={ours}")
-    assert make_sources(config)[0].note is None  # the model's own: nothing to say
+    assert make_sources(run_config(config))[0].note is None  # the model's own: nothing to say
     shutil.copytree(ours, tmp_path / "older")
     without_sha256(tmp_path / "older")
     shutil.copy(ours / "train-00000.bin", tmp_path / "train.bin")  # nanoGPT's layout
     shutil.copy(ours / "eval-00000.bin", tmp_path / "val.bin")
     for path, says in ((tmp_path / "older", "tokenizer_sha256"), (tmp_path, "no tokenizer")):
-        config = small_config(*SMALL, init_from, "data.source=tokens", f"data.path={path}")
+        config = run_config(
+            small_config(*SMALL, init_from, "data.source=tokens", f"data.path={path}")
+        )
         (warning,) = [n for n in make_sources(config)[0].note.splitlines() if "warning" in n]
         assert warning.startswith("warning: ") and "cannot check" in warning, warning
         assert says in warning and str(model / "hf" / "tokenizer.json") in warning
@@ -215,7 +218,7 @@ def test_export_copies_no_tokenizer_that_changed_since_the_run_started(
     out."""
     ours = prepared(model, "ours", str(model / "hf" / "tokenizer.json"))
     config = small_config(*SMALL, "data.source=tokens", f"data.path={ours}")
-    record = data_facts(*make_sources(config))["tokenizer"]
+    record = data_facts(*make_sources(run_config(config)))["tokenizer"]
     assert record == {
         "tokenizer": str(model / "hf" / "tokenizer.json"),
         "tokenizer_file": str(model / "hf" / "tokenizer.json"),

@@ -1,9 +1,11 @@
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import ConfigError, apply_overrides, load_config
+from jaxkit.config import ConfigError, apply_overrides, load_config, run_config
 from jaxkit.data.sources import load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.records.steps import NonFiniteLossError
@@ -36,7 +38,8 @@ def test_learning_rate_schedule_advances_once_per_optimizer_step():
     assert int(result.state.opt_state.inner_opt_state[2][0].count) == 6  # adamw's own count
     assert int(result.state.micro_step) == 24
 
-    mesh = make_mesh(config.mesh.to_dict())
+    config = run_config(config)
+    mesh = make_mesh(dataclasses.asdict(config.mesh))
     plan = plan_from_config(config, mesh_shape(mesh))
     setup = build(config, plan, mesh)
     source, _ = make_sources(config)
@@ -55,8 +58,8 @@ def test_learning_rate_schedule_advances_once_per_optimizer_step():
 
 
 def test_non_finite_micro_batch_is_skipped_and_counted():
-    config = digits("train.steps=1", "batch.per_device_batch_size=2", "mesh.data=-1")
-    mesh = make_mesh(config.mesh.to_dict())
+    config = run_config(digits("train.steps=1", "batch.per_device_batch_size=2", "mesh.data=-1"))
+    mesh = make_mesh(dataclasses.asdict(config.mesh))
     plan = plan_from_config(config, mesh_shape(mesh))
     assert plan.grad_accum_steps == 2
     setup = build(config, plan, mesh)

@@ -9,7 +9,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxkit import config as config_lib
-from jaxkit.config import ConfigError, apply_overrides, flat_keys, load_config, validate
+from jaxkit.config import (
+    ConfigError,
+    apply_overrides,
+    flat_keys,
+    load_config,
+    run_config,
+    validate,
+)
 from jaxkit.models import check_mesh_divides, sharded_sizes
 from jaxkit.step.train_step import _abstract_model
 
@@ -204,7 +211,7 @@ def _sharded_dims(config):
     ],
 )
 def test_sharded_sizes_are_exactly_what_the_partition_rules_shard(name, overrides):
-    config = _config(name, *overrides)
+    config = run_config(_config(name, *overrides))
     listed = {(size, axis) for _, size, axes in sharded_sizes(config) for axis in axes}
     assert _sharded_dims(config) == listed
 
@@ -221,7 +228,7 @@ def test_sharded_sizes_are_exactly_what_the_partition_rules_shard(name, override
     ],
 )
 def test_uneven_shards_are_refused_naming_the_key_and_axis(name, overrides, shape, message):
-    config = _config(name, *overrides)
+    config = run_config(_config(name, *overrides))
     mesh_shape = dict(zip(("data", "fsdp", "tensor"), shape, strict=True))
     with pytest.raises(ConfigError, match="shards must be even") as err:
         check_mesh_divides(config, mesh_shape)
@@ -232,11 +239,13 @@ def test_uneven_shards_are_refused_naming_the_key_and_axis(name, overrides, shap
 @pytest.mark.parametrize("heads,d_model,tensor", [(4, 128, 8), (3, 96, 2)])
 def test_heads_that_do_not_divide_over_tensor_are_refused(heads, d_model, tensor):
     # d_model divides over tensor in both, so only the heads can be uneven.
-    config = _config("lm_tiny", f"model.num_heads={heads}", f"model.d_model={d_model}")
+    config = run_config(_config("lm_tiny", f"model.num_heads={heads}", f"model.d_model={d_model}"))
     shape = {"data": 8 // tensor, "fsdp": 1, "tensor": tensor}
     with pytest.raises(ConfigError, match=f"model.num_heads={heads} is not divisible by mesh"):
         check_mesh_divides(config, shape)
-    config = _config("lm_tiny", f"model.num_heads={2 * tensor}", f"model.d_model={d_model}")
+    config = run_config(
+        _config("lm_tiny", f"model.num_heads={2 * tensor}", f"model.d_model={d_model}")
+    )
     check_mesh_divides(config, shape)  # whole heads on every device
 
 

@@ -20,7 +20,7 @@ from cli_run import jaxkit
 from wandb.proto import wandb_internal_pb2
 from wandb.sdk.internal import datastore
 
-from jaxkit.config import ConfigError, apply_overrides, load_config
+from jaxkit.config import ConfigError, apply_overrides, load_config, run_config
 from jaxkit.records import wandb_log
 from jaxkit.records.metrics import EVAL_TAGS, TRAIN_TAGS, read_metrics
 from jaxkit.train.loop import train
@@ -197,7 +197,7 @@ def test_a_refused_rewind_starts_a_new_run_and_a_refused_start_stops_the_run(tmp
     config = load_config("mlp_digits")
     apply_overrides(config, ["wandb.project=kit"])
     said: list[str] = []
-    run = wandb_log.open_run(config, workdir, 2, {"plan": {}}, said.append)
+    run = wandb_log.open_run(run_config(config), workdir, 2, {"plan": {}}, said.append)
     assert run is not None
     run.finish()
     (new,) = offline_runs(tmp_path)
@@ -212,7 +212,7 @@ def test_a_refused_rewind_starts_a_new_run_and_a_refused_start_stops_the_run(tmp
     refusals.append(wandb.errors.UsageError("No API key configured.\nUse `wandb login`."))
     (workdir / "wandb.json").unlink()
     with pytest.raises(ConfigError) as refused:
-        wandb_log.open_run(config, workdir, 0, {}, said.append)
+        wandb_log.open_run(run_config(config), workdir, 0, {}, said.append)
     assert str(refused.value) == (
         "wandb.project='kit': W&B did not start a run: No API key configured."
     )

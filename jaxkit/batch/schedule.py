@@ -22,10 +22,9 @@ import decimal
 import math
 import re
 
-import ml_collections
-
 from jaxkit.batch.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes
 from jaxkit.batch.plan import BatchPlan, BatchPlanError, format_table, make_batch_plan
+from jaxkit.sections import RunConfig
 
 AUTO = "auto"
 _STAGE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kMG]?)\s*(t?)\s*:\s*([0-9]+)\s*")
@@ -285,10 +284,10 @@ def _walk(
     return out
 
 
-def check_length(config: ml_collections.ConfigDict) -> None:
+def check_length(config: RunConfig) -> None:
     """A run is as long as train.steps optimizer steps or train.examples examples: one."""
     t = config.train
-    if (t.steps is None) == (t.get("examples") is None):
+    if (t.steps is None) == (t.examples is None):
         raise BatchPlanError(
             "give one of train.steps (optimizer steps) and train.examples (examples to train "
             f"on), not {'both' if t.steps is not None else 'neither'}"
@@ -296,13 +295,13 @@ def check_length(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def plan_from_config(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> BatchPlan:
+def plan_from_config(config: RunConfig, mesh_shape: dict[str, int]) -> BatchPlan:
     """The batch plan a config asks for on a mesh of this shape: its first stage's."""
     return schedule_from_config(config, mesh_shape).first
 
 
 def schedule_from_config(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     mesh_shape: dict[str, int],
     saved: dict | None = None,
     at: tuple[int, int] = (0, 0),
@@ -312,10 +311,10 @@ def schedule_from_config(
     b, o = config.batch, config.optimizer
     check_length(config)
     saved = saved or {}
-    text = (b.get("schedule") or "").strip()
+    text = b.schedule.strip()
     if text.lower() == AUTO:
         text = AUTO
-    max_global = b.get("max_global_batch_size")
+    max_global = b.max_global_batch_size
     if text != AUTO and max_global is not None:
         raise BatchPlanError(
             f"batch.max_global_batch_size={max_global} is read by batch.schedule=auto only "
@@ -336,14 +335,14 @@ def schedule_from_config(
         history=tuple(h for h in saved.get("realized", []) if h["examples"] < at[1]),
         decided=tuple(decided),
         max_global_batch_size=max_global if kind == AUTO else None,
-        patience=int(b.get("auto_patience", 0) or 0),
+        patience=b.auto_patience,
         origin=at,
     )
     return _laid(base, stages)
 
 
 def _config_plan(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     mesh_shape: dict[str, int],
     global_batch_size: int | None,
     per_device: int | None,
@@ -356,7 +355,7 @@ def _config_plan(
         global_batch_size=global_batch_size,
         per_device_batch_size=per_device,
         grad_accum_steps=accum,
-        seq_len=config.data.get("seq_len"),
+        seq_len=config.data.seq_len,
         learning_rate=o.learning_rate,
         lr_scaling=o.lr_scaling,
         reference_batch_size=o.reference_batch_size,
@@ -364,7 +363,7 @@ def _config_plan(
 
 
 def _asked_stages(
-    config: ml_collections.ConfigDict, mesh_shape: dict[str, int], text: str
+    config: RunConfig, mesh_shape: dict[str, int], text: str
 ) -> tuple[BatchPlan, list[Stage]]:
     """The first plan and the stages batch.schedule's `text` asks for (one for a fixed batch
     or auto, whose later stages are decided as the run goes)."""
@@ -374,7 +373,7 @@ def _asked_stages(
             config, mesh_shape, b.global_batch_size, b.per_device_batch_size, b.grad_accum_steps
         )
         return first, [Stage(0, first)]
-    asked = parse_stages(text, config.data.get("seq_len"))
+    asked = parse_stages(text, config.data.seq_len)
     g0 = asked[0][1]
     if b.global_batch_size is not None and b.global_batch_size != g0:
         raise BatchPlanError(
@@ -396,9 +395,7 @@ def _asked_stages(
     return first, stages
 
 
-def _check_auto(
-    config: ml_collections.ConfigDict, first: BatchPlan, max_global: int | None
-) -> None:
+def _check_auto(config: RunConfig, first: BatchPlan, max_global: int | None) -> None:
     """What batch.schedule=auto needs before it can double the batch: a ceiling that is the
     first batch doubled, two batch sizes to measure the noise scale, a length in examples."""
     if max_global is None:
@@ -422,27 +419,28 @@ def _check_auto(
             f"(this plan has {first.global_batch_size})"
         )
     check_auto_samples(config, g0)
-    if config.train.get("examples") is None:
+    if config.train.examples is None:
         raise BatchPlanError(
             "batch.schedule=auto decides the global batch as the run goes, so its length "
             "in optimizer steps is not known: give train.examples (and train.steps=null)"
         )
 
 
-def check_auto_samples(config: ml_collections.ConfigDict, first_global_batch: int) -> None:
+def check_auto_samples(config: RunConfig, first_global_batch: int) -> None:
     """That a batch.schedule=auto run samples the noise scale at some step before its last,
     where it has a step left to train at the batch that sample decides."""
-    # A config saved before train.noise_scale_every sampled every step.
-    every = int(config.train.get("noise_scale_every", 1))
+    # A config saved before train.noise_scale_every sampled every step: it holds 1
+    # (config.saved_config fills the keys added since, as the run ran).
+    every = config.train.noise_scale_every
     if not every:
         raise BatchPlanError(
             "train.noise_scale_every=0 turns off the gradient noise scale that "
             "batch.schedule=auto decides on: sample it every N > 0 steps (default 10)"
         )
-    if config.train.get("examples") is None:
+    if config.train.examples is None:
         return
     # The batch stays the first until a sampled step doubles it: at most this many steps.
-    g0, examples = first_global_batch, int(config.train.examples)
+    g0, examples = first_global_batch, config.train.examples
     longest = -(-examples // g0)
     if every >= longest:
         raise BatchPlanError(
@@ -471,16 +469,14 @@ def _decided_stages(
     return stages
 
 
-def fixed_schedule(config: ml_collections.ConfigDict, plan: BatchPlan) -> BatchSchedule:
+def fixed_schedule(config: RunConfig, plan: BatchPlan) -> BatchSchedule:
     """One stage: `plan` for the whole run (what a split of a fixed batch trains)."""
     warmup_steps = max(int(config.optimizer.warmup_steps), 0)
     base = _unlaid(config, "fixed", warmup_steps * plan.global_batch_size)
     return _laid(base, [Stage(0, plan)])
 
 
-def _unlaid(
-    config: ml_collections.ConfigDict, kind: str, warmup_examples: int, **fields: object
-) -> BatchSchedule:
+def _unlaid(config: RunConfig, kind: str, warmup_examples: int, **fields: object) -> BatchSchedule:
     """A schedule with the config's length and learning-rate shape, before `_laid` lays
     its stages."""
     t, o = config.train, config.optimizer
@@ -488,7 +484,7 @@ def _unlaid(
     return BatchSchedule(
         kind=kind,
         stages=(),
-        length=(t.steps, t.get("examples")),
+        length=(t.steps, t.examples),
         total_steps=0,
         total_examples=0,
         warmup_examples=warmup_examples,

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from jaxkit.batch.plan import BatchPlan
     from jaxkit.data import sources as data_lib
+    from jaxkit.sections import RunConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -319,7 +320,7 @@ def _report(
         result["eval_bits_per_byte"] = loss / math.log(2)
     if as_json:
         return json.dumps({key: result[key] for key in KEYS if key in result})
-    unit = "byte" if byte_data else "token" if is_lm(source.config) else "example"
+    unit = "byte" if byte_data else "token" if is_lm(source.sections()) else "example"
     bits = f" ({result['eval_bits_per_byte']:.4f} bits/byte)" if byte_data else ""
     at = f", step {source.step}" if source.step is not None else ""
     lines = [
@@ -353,10 +354,10 @@ def _held_out(source: source_lib.Source, path: str | None, examples: int) -> dat
         validate(config)
     elif (recorded := saved.get(data_lib.PATHS, {}).get("data.path")) is not None:
         config.data.path = recorded  # the absolute location the run read: from any directory
-    train, held_out = data_lib.make_sources(config)
+    train, held_out = data_lib.make_sources(source.sections())
     if source.hf_dir is None:
         if path is None:
-            facts = data_lib.data_facts(train, held_out, data_lib.input_paths(config))
+            facts = data_lib.data_facts(train, held_out, data_lib.input_paths(source.sections()))
             changes = data_changes(saved, facts)
             if changes:
                 raise data_lib.DataError(
@@ -438,8 +439,8 @@ def _evaluate(
     from jaxkit.step.train_step import abstract_params, build
     from jaxkit.train.loop_pieces import evaluate
 
-    config = source.config
-    mesh = source_lib.make_mesh(config, overrides)
+    config = source.sections()
+    mesh = source_lib.make_mesh(source.config, overrides)
     plan = _eval_plan(config, mesh_lib.mesh_shape(mesh), source.meta)
     setup = build(config, plan, mesh)
     params = source_lib.load_params(
@@ -451,7 +452,7 @@ def _evaluate(
     return evaluate(setup, params, held_out, plan, examples)
 
 
-def _eval_plan(config: ml_collections.ConfigDict, shape: dict[str, int], meta: dict) -> BatchPlan:
+def _eval_plan(config: RunConfig, shape: dict[str, int], meta: dict) -> BatchPlan:
     """The run's plan at the checkpoint on this mesh (hf:DIR: the first a run of it would
     train with); where the run's global batch does not split over this mesh, its rows per
     device in one micro-step: an eval has no global batch to keep."""
@@ -466,6 +467,6 @@ def _eval_plan(config: ml_collections.ConfigDict, shape: dict[str, int], meta: d
         return make_batch_plan(
             mesh_shape=shape,
             global_batch_size=None,
-            per_device_batch_size=per_device or config.batch.get("per_device_batch_size") or 1,
+            per_device_batch_size=per_device or config.batch.per_device_batch_size or 1,
             grad_accum_steps=1,
         )

@@ -91,10 +91,11 @@ def run(
     opts: argparse.Namespace,
     devices: Sequence[jax.Device],
 ) -> int:
+    from jaxkit.config import run_config
     from jaxkit.plan import planning
 
     request = planning.request(
-        config,
+        run_config(config),
         devices,
         shape,
         target=opts.target,
@@ -125,7 +126,7 @@ def _print_summary(summary: planning.Summary) -> None:
     config, schedule = summary.request.config, summary.request.schedule
     print(schedule.first.table())
     print(model_line(summary.model))
-    if config.train.get("examples") is not None:
+    if config.train.examples is not None:
         print(
             f"run: {schedule.total_steps} optimizer steps, {schedule.total_examples:,} "
             f"examples (train.examples={config.train.examples:,}, to a whole step)"

@@ -310,8 +310,8 @@ def _generate(
 ) -> list[Any]:
     from jaxkit.generate import sampling
 
-    config = source.config
-    mesh = source_lib.make_mesh(config, opts.overrides)
+    config = source.sections()
+    mesh = source_lib.make_mesh(source.config, opts.overrides)
     _, _, abstract, shardings = sampling.param_layout(config, mesh)
     params = source_lib.load_params(
         source, abstract, shardings, "sampling from them draws from NaN logits"

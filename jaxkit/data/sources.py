@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import jax
-import ml_collections
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -32,6 +31,7 @@ from jaxkit.batch import mixture
 from jaxkit.batch.plan import BatchPlan
 from jaxkit.batch.schedule import Position as Position  # re-exported for the loop
 from jaxkit.config import ConfigError, is_lm
+from jaxkit.sections import Data, RunConfig
 from jaxkit.workdir import is_local
 
 # "inputs" and "targets", one entry per row asked for, and "weights" where rows are not
@@ -143,7 +143,26 @@ def _split_shuffled(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray
     return order[:cut], order[cut:]
 
 
-def make_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
+def _seq_len(d: Data) -> int:
+    """data.seq_len of a language model's rows (every LM config gives it: check_values)."""
+    assert d.seq_len is not None
+    return d.seq_len
+
+
+def _max_bytes(d: Data) -> int:
+    """data.max_bytes, which data.source=text requires (check_values)."""
+    assert d.max_bytes is not None
+    return d.max_bytes
+
+
+def _vocab_size(config: RunConfig) -> int:
+    """model.vocab_size of a language model (every LM kind requires it)."""
+    vocab = getattr(config.model, "vocab_size", None)
+    assert vocab is not None
+    return int(vocab)
+
+
+def make_sources(config: RunConfig) -> tuple[Source, Source]:
     """(train, eval) sources for a config's `data` section."""
     d = config.data
     sources: tuple[Source, Source]
@@ -156,12 +175,12 @@ def make_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
             path = pathlib.Path(d.path).expanduser()
             if not path.is_file():
                 raise DataError(f"data.path={d.path!r} is not a readable file")
-            raw = path.read_bytes()[: d.max_bytes]
+            raw = path.read_bytes()[: _max_bytes(d)]
         else:
-            raw = stdlib_corpus(d.max_bytes)
+            raw = stdlib_corpus(_max_bytes(d))
         tokens = np.frombuffer(raw, dtype=np.uint8)
         train, held_out = _split_tail(tokens, d.eval_fraction)
-        sources = TokenWindows(train, d.seq_len), TokenWindows(held_out, d.seq_len)
+        sources = TokenWindows(train, _seq_len(d)), TokenWindows(held_out, _seq_len(d))
     elif d.source == "digits":
         from sklearn.datasets import load_digits
 
@@ -184,23 +203,21 @@ def make_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
     return sources
 
 
-def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
+def _token_sources(config: RunConfig) -> tuple[Source, Source]:
     """Token files' train and held-out rows, their ids checked against the vocabulary (and
     against model.init_from's tokenizer: jaxkit/data/tokenizer.py)."""
     from jaxkit.data import token_files
     from jaxkit.data import tokenizer as tokenizer_lib
 
     d = config.data
-    if d.get("mixture"):
+    if d.mixture:
         return _mixture_sources(config)
+    assert d.path is not None  # data.source=tokens without a mixture names data.path
     try:
-        train, held_out, facts = token_files.open_splits(
-            d.path, d.get("token_dtype", "uint16"), d.eval_fraction
-        )
+        train, held_out, facts = token_files.open_splits(d.path, d.token_dtype, d.eval_fraction)
         warning = _check_tokenizer(config, facts)
         _check_ids(config, train, held_out, facts, f"data.path={d.path!r}")
-        rows = d.get("rows", "windows")
-        mask = d.get("document_mask", False)
+        rows, mask, seq_len = d.rows, d.document_mask, _seq_len(d)
         fingerprint = token_files.fingerprint(train, held_out, facts)
         notes = [warning] if warning else []
         if facts.get("layout") == "nanogpt":
@@ -208,8 +225,8 @@ def _token_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
         note = "\n".join(notes) or None
         tokenizer = tokenizer_lib.record(facts)
         return (
-            token_files.TokenRows(train, d.seq_len, rows, mask, fingerprint, note, tokenizer),
-            token_files.TokenRows(held_out, d.seq_len, rows, mask, fingerprint),
+            token_files.TokenRows(train, seq_len, rows, mask, fingerprint, note, tokenizer),
+            token_files.TokenRows(held_out, seq_len, rows, mask, fingerprint),
         )
     except token_files.TokenFileError as e:
         raise DataError(str(e)) from None
@@ -223,7 +240,7 @@ def nanogpt_note(path: str) -> str:
     )
 
 
-def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]:
+def _mixture_sources(config: RunConfig) -> tuple[Source, Source]:
     """data.mixture's sources, each opened and checked as data.path's one is, then checked
     against each other (one tokenizer, one token dtype), as one train and one held-out
     Source (jaxkit/batch/mixture.py)."""
@@ -231,13 +248,14 @@ def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]
     from jaxkit.data import tokenizer as tokenizer_lib
 
     d = config.data
-    value = d.mixture.to_dict() if hasattr(d.mixture, "to_dict") else dict(d.mixture)
+    assert d.mixture is not None
+    value, seq_len = dict(d.mixture), _seq_len(d)
     try:
-        stages = mixture.stages(value, d.get("mixture_stages") or "", d.seq_len)
+        stages = mixture.stages(value, d.mixture_stages, seq_len)
     except ConfigError as e:
         raise DataError(str(e)) from None
     names = sorted(value)
-    rows, mask = d.get("rows", "windows"), d.get("document_mask", False)
+    rows, mask = d.rows, d.document_mask
     trains, helds, notes = [], [], []
     said: dict[str, tuple[str, Any]] = {}
     foreign: list[str] = []
@@ -246,13 +264,13 @@ def _mixture_sources(config: ml_collections.ConfigDict) -> tuple[Source, Source]
         path, label = value[name]["path"], f"data.mixture.{name}.path={value[name]['path']!r}"
         try:
             train, held_out, facts = token_files.open_splits(
-                path, d.get("token_dtype", "uint16"), d.eval_fraction, f"data.mixture.{name}.path"
+                path, d.token_dtype, d.eval_fraction, f"data.mixture.{name}.path"
             )
             warning = _check_tokenizer(config, facts, f"data.mixture.{name}.path={path}")
             _check_ids(config, train, held_out, facts, label)
             fingerprint = token_files.fingerprint(train, held_out, facts)
-            trains.append(token_files.TokenRows(train, d.seq_len, rows, mask, fingerprint))
-            helds.append(token_files.TokenRows(held_out, d.seq_len, rows, mask, fingerprint))
+            trains.append(token_files.TokenRows(train, seq_len, rows, mask, fingerprint))
+            helds.append(token_files.TokenRows(held_out, seq_len, rows, mask, fingerprint))
         except token_files.TokenFileError as e:
             named = str(e).startswith(f"data.mixture.{name}.")  # else say which source
             raise DataError(str(e) if named else f"data.mixture.{name}: {e}") from None
@@ -306,9 +324,7 @@ def _check_shared_files(name: str, facts: dict, read_by: dict[str, tuple[str, tu
             )
 
 
-def _check_tokenizer(
-    config: ml_collections.ConfigDict, facts: dict | None, label: str | None = None
-) -> str | None:
+def _check_tokenizer(config: RunConfig, facts: dict | None, label: str | None = None) -> str | None:
     """Refuses data that model.init_from's model would read as other tokens than it was
     made of (jaxkit/data/tokenizer.py); returns a warning line where the kit cannot tell. `facts`
     is what token files say of themselves, None for the other sources; `label` names a
@@ -321,7 +337,7 @@ def _check_tokenizer(
         return None
     d = config.data
     try:
-        said = f"data.path={d.get('path')}" if label is None else label
+        said = f"data.path={d.path}" if label is None else label
         return tokenizer_lib.check_data(directory, d.source, said, facts)
     except tokenizer_lib.TokenizerError as e:
         raise DataError(str(e)) from None
@@ -351,15 +367,13 @@ def _halves_of_uint32(ranges: list[Any], vocab: int, train: Any, held_out: Any) 
     return odd_top < _HIGH_HALF_BELOW and even_top > _LOW_HALF_ABOVE and ids >= _HALVES_SEEN
 
 
-def _check_ids(
-    config: ml_collections.ConfigDict, train: Any, held_out: Any, facts: dict, label: str
-) -> None:
+def _check_ids(config: RunConfig, train: Any, held_out: Any, facts: dict, label: str) -> None:
     """The ids of token files against model.vocab_size: a prepared directory's vocabulary
     from meta.json, foreign files' by reading their ids once (and their dtype with them)."""
     from jaxkit.data import token_files
 
-    d, vocab = config.data, config.model.vocab_size
-    init_from = config.model.get("init_from")
+    d, vocab = config.data, _vocab_size(config)
+    init_from = getattr(config.model, "init_from", None)  # a Llama's key
     if "vocab_size" in facts:  # prepared: its tokenizer's ids are all below this
         if facts["vocab_size"] > vocab:
             said = (
@@ -385,7 +399,7 @@ def _check_ids(
     # Foreign files state no vocabulary: read their largest id once.
     ranges = [token_files.token_range(s.tokens) for s in (train, held_out)]
     low, top = min(r.low for r in ranges), max(r.top for r in ranges)
-    dtype = d.get("token_dtype", "uint16")
+    dtype = d.token_dtype
     flat = any(not f.endswith(".npy") for f in facts["files"])  # a .npy states its dtype
     if dtype == "uint16" and flat and _halves_of_uint32(ranges, vocab, train, held_out):
         odd_top, even_top = max(r.odd_top for r in ranges), max(r.even_top for r in ranges)
@@ -412,19 +426,23 @@ def _check_ids(
         )
 
 
-def _synthetic(config: ml_collections.ConfigDict) -> tuple[ArraySource, ArraySource]:
+def _synthetic(config: RunConfig) -> tuple[ArraySource, ArraySource]:
     """Learnable synthetic rows, fixed by the seed: a linear teacher, or counting sequences."""
     d, n = config.data, config.data.num_examples
+    assert n is not None  # data.source=synthetic requires data.num_examples
     rng = np.random.default_rng(12345)
     if is_lm(config):
-        vocab = config.model.vocab_size
+        vocab, seq_len = _vocab_size(config), _seq_len(d)
         start = rng.integers(0, vocab, size=(n, 1))
         stride = rng.integers(1, 4, size=(n, 1))
-        window = ((start + stride * np.arange(d.seq_len + 1)) % vocab).astype(np.int32)
-        rows = ArraySource(window[:, :-1], window[:, 1:], seq_len=d.seq_len)
+        window = ((start + stride * np.arange(seq_len + 1)) % vocab).astype(np.int32)
+        rows = ArraySource(window[:, :-1], window[:, 1:], seq_len=seq_len)
     else:
-        x = rng.normal(size=(n, d.num_features)).astype(np.float32)
-        teacher = rng.normal(size=(d.num_features, config.model.num_classes))
+        # a classifier's rows: its features, and the classes its model section names
+        features, classes = d.num_features, getattr(config.model, "num_classes", None)
+        assert features is not None and classes is not None
+        x = rng.normal(size=(n, features)).astype(np.float32)
+        teacher = rng.normal(size=(features, classes))
         rows = ArraySource(x, np.argmax(x @ teacher, axis=1).astype(np.int32))
     train, held_out = _split_shuffled(n, d.eval_fraction, seed=54321)
     return (
@@ -833,7 +851,7 @@ def eval_batches(
         yield to_global_array(batch, sharding, m)
 
 
-def checked_sources(config: ml_collections.ConfigDict, largest: BatchPlan) -> tuple[Source, Source]:
+def checked_sources(config: RunConfig, largest: BatchPlan) -> tuple[Source, Source]:
     """make_sources, then every check of the data that `train` makes before it compiles
     (and `plan` with token files): `largest` is the batch schedule's largest stage."""
     train, held_out = make_sources(config)
@@ -853,13 +871,13 @@ PATHS = "paths"
 MIXTURE_STAGES = "mixture_stages"
 
 
-def input_paths(config: ml_collections.ConfigDict) -> dict[str, str]:
+def input_paths(config: RunConfig) -> dict[str, str]:
     """The config's keys that name an input file or directory (data.path), each as the
     absolute location it names from this working directory (a URL as it is): a resume
     from another directory holds these, not the strings, against the saved run's."""
-    data = config.get("data", {})
-    named = {"data.path": data.get("path")}
-    for name, fields in (data.get("mixture") or {}).items():
+    data = config.data
+    named = {"data.path": data.path}
+    for name, fields in (data.mixture or {}).items():
         named[f"data.mixture.{name}.path"] = fields.get("path")
     return {
         key: os.path.abspath(path) if is_local(path) else path

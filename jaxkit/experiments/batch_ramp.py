@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxkit.batch.plan import BatchPlanError
 from jaxkit.batch.schedule import check_auto_samples, plan_from_config, schedule_from_config
+from jaxkit.config import run_config
 from jaxkit.experiments.common import (
     ExperimentError,
     Report,
@@ -53,7 +54,7 @@ def _arms(
     config: ml_collections.ConfigDict, shape: dict[str, int], rule: str, budget: int
 ) -> tuple[list[Arm], list[str], int]:
     """The four runs, the ones left out and why, and the small global batch."""
-    base = plan_from_config(config, shape)
+    base = plan_from_config(run_config(config), shape)
     g, b = base.global_batch_size, base.per_device_batch_size
     notes: list[str] = []
 
@@ -88,13 +89,13 @@ def _arms(
         ),
     ]
     try:  # a train.noise_scale_every the auto ramp cannot decide on is the user's to fix
-        check_auto_samples(candidates[-1].config, g)
+        check_auto_samples(run_config(candidates[-1].config), g)
     except BatchPlanError as err:
         raise ExperimentError(f"{candidates[-1].name}: {err}") from None
     arms = []
     for arm in candidates:
         try:
-            schedule_from_config(arm.config, shape)  # every stage divides, auto can read
+            schedule_from_config(run_config(arm.config), shape)  # every stage divides, auto reads
         except BatchPlanError as err:
             notes.append(f"left out {arm.name}: {err}")
             continue

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxkit.batch.plan import BatchPlanError
 from jaxkit.batch.schedule import plan_from_config
+from jaxkit.config import run_config
 from jaxkit.experiments.common import (
     ExperimentError,
     Report,
@@ -76,11 +77,11 @@ def run(request: Request) -> pathlib.Path:
         c.optimizer.reference_batch_size = base.global_batch_size
         c.optimizer.learning_rate = base.learning_rate  # the config's peak, at its own batch
         try:
-            plan_from_config(c, shape)
+            plan_from_config(run_config(c), shape)
         except BatchPlanError:  # the per-device batch does not divide it: no accumulation
             c.batch.per_device_batch_size, c.batch.grad_accum_steps = None, 1
             try:
-                plan_from_config(c, shape)
+                plan_from_config(run_config(c), shape)
             except BatchPlanError as err:
                 if options.global_batch_sizes is not None:  # asked for: not dropped unsaid
                     raise ExperimentError(f"--global-batch-sizes: {g}: {err}") from None

@@ -28,10 +28,10 @@ from matplotlib.figure import Figure
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.plan import LR_SCALINGS, BatchPlan, BatchPlanError
 from jaxkit.batch.schedule import plan_from_config, schedule_from_config
-from jaxkit.config import ConfigError, validate
+from jaxkit.config import ConfigError, run_config, validate
 from jaxkit.data import sources as data_lib
 from jaxkit.models import check_mesh_divides
-from jaxkit.plan.costs import split_config
+from jaxkit.plan.costs import split_batch
 from jaxkit.step.train_step import check_on_mesh
 from jaxkit.train.loop import RunResult, stop_requests, train
 from jaxkit.workdir import write_text_atomic
@@ -294,7 +294,8 @@ def split_unit(
             f"split {split.name} needs {split.devices} devices; {len(devices)} are available "
             "(--host-devices N simulates more on the CPU)"
         )
-    c = split_config(config, split.per_device, split.accum)
+    c = ml_collections.ConfigDict(config.to_dict())
+    c.batch.update(split_batch(split.per_device, split.accum))
     shape = split_mesh(config, split)
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape["data"], shape["fsdp"], shape["tensor"]
     return c, list(devices[: split.devices])
@@ -333,13 +334,14 @@ def check_units(
     for label, c, devices in units:
         try:
             validate(c)
+            typed = run_config(c)
             shape = mesh_lib.resolve_mesh_shape(c.mesh.to_dict(), len(devices))
-            check_on_mesh(c, shape)
-            largest = schedule_from_config(c, shape).largest
+            check_on_mesh(typed, shape)
+            largest = schedule_from_config(typed, shape).largest
             # The sources depend on the data section and the model (its vocabulary).
             key = json.dumps([c.data.to_dict(), c.model.to_dict()], sort_keys=True, default=str)
             if key not in sources:
-                sources[key] = data_lib.make_sources(c)
+                sources[key] = data_lib.make_sources(typed)
             train_source, eval_source = sources[key]
             data_lib.check_sources(train_source, largest)
             data_lib.check_eval_weight(eval_source, c.train.eval_examples)
@@ -362,7 +364,7 @@ def split_mesh(config: ml_collections.ConfigDict, split: Split) -> dict[str, int
             "mesh.tensor=1 (data and fsdp both split the batch)"
         )
     try:
-        check_mesh_divides(config, shape)
+        check_mesh_divides(run_config(config), shape)
     except ConfigError as err:
         raise ExperimentError(f"split {split.name}: {err}") from None
     return shape
@@ -403,7 +405,8 @@ def preamble(request: Request, default_steps: int = 0, *, own_meshes: bool = Fal
         if own_meshes
         else mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
     )
-    return Preamble(devices, shape, plan_from_config(config, shape), options.steps or default_steps)
+    plan = plan_from_config(run_config(config), shape)
+    return Preamble(devices, shape, plan, options.steps or default_steps)
 
 
 def params_note(config: ml_collections.ConfigDict, measures: str | None = None) -> str | None:

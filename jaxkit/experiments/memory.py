@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+from typing import Any, cast
 
 import jax
 import ml_collections
@@ -20,6 +21,7 @@ import numpy as np
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.plan import Accumulation
 from jaxkit.batch.schedule import plan_from_config
+from jaxkit.config import run_config
 from jaxkit.experiments.common import (
     Report,
     Request,
@@ -39,7 +41,8 @@ ACCUM_SWEEP = (1, 2, 4, 8)
 def state_breakdown(config: ml_collections.ConfigDict, devices: list) -> list[tuple[str, int]]:
     """Per-device bytes of each part of the train state, from its shardings."""
     mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
-    setup = build(config, plan_from_config(config, mesh_lib.mesh_shape(mesh)), mesh)
+    typed = run_config(config)
+    setup = build(typed, plan_from_config(typed, mesh_lib.mesh_shape(mesh)), mesh)
     state = abstract_state(setup)
     # Held between calls only in MultiSteps mode at K > 1 (none at K = 1 or fused): its size
     # there, whatever K this config's plan has.
@@ -126,13 +129,14 @@ def _cost_unit(sweep: _Sweep, unit: Unit) -> None:
     config, shape, devices = sweep.config, sweep.shape, sweep.devices
     kind, n = unit
     if kind == "batch":
-        c = costs.split_config(config, n, 1)
+        c = costs.split_config(run_config(config), n, 1)
         sweep.by_batch[n] = costs.step_cost(c, plan_from_config(c, shape), devices)
     elif kind == "rss":
         sweep.measured[n] = rss.measure_in_subprocess(config.to_dict(), n, devices=1)
     elif (b := _accum_batch(sweep)) is not None:  # the batch units ran first
-        c = costs.split_config(config, b, n)
-        c.train.accumulation = kind
+        c = costs.split_config(run_config(config), b, n)
+        mode = Accumulation(kind).value  # the unit's mode: multisteps or fused
+        c = dataclasses.replace(c, train=dataclasses.replace(c.train, accumulation=cast(Any, mode)))
         sweep.by_accum[(kind, n)] = costs.step_cost(c, plan_from_config(c, shape), devices)
 
 

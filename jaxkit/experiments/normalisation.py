@@ -28,6 +28,7 @@ from etils import epath
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from jaxkit.config import run_config
 from jaxkit.data.sources import NORMALISATIONS, make_sources, row_weight_sums, stream_rows
 from jaxkit.experiments.common import (
     ExperimentError,
@@ -83,7 +84,7 @@ def default_splits(global_batch: int, live_devices: int) -> list[Split]:
 
 def trained_row_weights(config: ml_collections.ConfigDict, steps: int, g: int) -> np.ndarray:
     """Σ weight of each row the runs train on (every run reads the same stream)."""
-    train_source, _ = make_sources(config)
+    train_source, _ = make_sources(run_config(config))
     rows = stream_rows(0, steps * g, len(train_source), config.train.seed)
     return row_weight_sums(train_source, rows)
 

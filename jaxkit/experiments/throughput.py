@@ -22,6 +22,7 @@ import jax
 import ml_collections
 from matplotlib.figure import Figure
 
+from jaxkit.config import run_config
 from jaxkit.experiments.common import (
     Report,
     Request,
@@ -35,8 +36,8 @@ from jaxkit.experiments.common import (
     unit_config,
 )
 from jaxkit.models import contract
-from jaxkit.models.layers import REMAT_POLICIES, lm_option
-from jaxkit.plan.costs import predicted_speed, split_config, with_remat
+from jaxkit.models.layers import REMAT_POLICIES
+from jaxkit.plan.costs import predicted_speed, split_batch
 
 DEFAULT_STEPS = 6
 ACCUM_SWEEP = (1, 2, 4, 8)
@@ -78,7 +79,8 @@ def _plan(request: Request) -> tuple[_Sweep, list[Unit]]:
     b0 = plan.per_device_batch_size
     top = options.max_per_device_batch or 4 * b0
     batches = powers_of_two(top)
-    own = lm_option(config.model, "remat") if contract(config).READS_LM_OPTIONS else None
+    typed = run_config(config)
+    own = typed.model.remat if contract(typed).READS_LM_OPTIONS else None
     units: list[Unit] = [(b, 1, own) for b in batches]
     units += [(b0, k, own) for k in ACCUM_SWEEP if k > 1]
     if own is not None:  # each policy at the configured batch, K = 1
@@ -92,7 +94,11 @@ def _unit_config(config: ml_collections.ConfigDict, unit: Unit) -> ml_collection
     """A point's config. Speed does not depend on the params' values, so a run from
     model.init_from measures random params of its shape: the weights are not read."""
     b, k, remat = unit
-    return split_config(with_remat(random_params(config), remat), b, k)
+    c = ml_collections.ConfigDict(random_params(config).to_dict())
+    c.batch.update(split_batch(b, k))
+    if remat is not None:
+        c.model.remat = remat
+    return c
 
 
 def _label(unit: Unit) -> str:

@@ -26,12 +26,14 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-import ml_collections
 import numpy as np
 
+from jaxkit.config import saved_run_config
 from jaxkit.data import tokenizer as tokenizer_lib
 from jaxkit.data.token_format import META_NAME
 from jaxkit.hf import names
+from jaxkit.models.llama import llama_model
+from jaxkit.sections import RunConfig
 from jaxkit.train.checkpoint import CheckpointError, restore_params, saved_steps
 from jaxkit.workdir import as_path
 
@@ -73,19 +75,20 @@ def export_hf(
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CheckpointError(f"--hf {out} exists and is not an empty directory: name a new one")
     params, meta = restore_params(checkpoints, step)
-    config = ml_collections.ConfigDict(meta["config"])
-    m = config.model
-    if m.get("kind") != names.KIND:
+    kind = (meta["config"].get("model") or {}).get("kind")
+    if kind != names.KIND:
         raise CheckpointError(
             f"--hf writes Hugging Face Llama checkpoints: the run in {workdir} trained "
-            f"model.kind={m.get('kind')!r}, not {names.KIND!r}"
+            f"model.kind={kind!r}, not {names.KIND!r}"
         )
+    config = saved_run_config(meta["config"])
+    m = llama_model(config)
     source = meta.get("hf_source")  # None: a run from random weights, or saved before
     if dtype is None and source is not None:
         other = source.get("other_dtypes") or {}
         dtypes = {t.name: other.get(t.name, source["dtype"]) for t in names.hf_tensors(m)}
     else:
-        dtype = dtype or str(m.get("param_dtype", "float32"))
+        dtype = dtype or m.param_dtype
         dtypes = {t.name: dtype for t in names.hf_tensors(m)}
     hf = names.to_hf(params, m)
     del params
@@ -93,7 +96,8 @@ def export_hf(
         tensors = {name: t.astype(_dtype(dtypes[name])) for name, t in hf.items()}
     _check_in_range(hf, tensors)
     del hf
-    seq_len = int(config.data.seq_len)
+    assert config.data.seq_len is not None  # a language model's rows
+    seq_len = config.data.seq_len
     if source is not None:
         from jaxkit.generate.source import HF_CONTEXT, run_context
 
@@ -164,7 +168,7 @@ def _in_dtypes(dtypes: dict[str, str], source: dict | None) -> str:
 
 def _copy_tokenizer(
     meta: dict,
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     target: pathlib.Path,
     echo: Callable[[str], None],
 ) -> str:
@@ -212,10 +216,10 @@ def _copy_tokenizer(
     return ", ".join(copied)
 
 
-def _prepared_tokenizer(config: ml_collections.ConfigDict, tokenizer: str) -> pathlib.Path | None:
+def _prepared_tokenizer(config: RunConfig, tokenizer: str) -> pathlib.Path | None:
     """The absolute path `jaxkit data prepare` recorded for `tokenizer` (as typed, relative
     to where it ran) in the meta.json of the run's data.path, where that is the same data."""
-    path = (config.get("data") or {}).get("path")
+    path = config.data.path
     if not path:
         return None
     try:

@@ -90,18 +90,20 @@ class JaxkitLM(TemplateLM):
         source_lib.check_overrides(overrides, "an eval")
         opts = argparse.Namespace(source=source, overrides=list(overrides), step=step)
         opened = source_lib.open_source(opts, source_lib.load_config, ["data.source=synthetic"])
-        config = opened.config
+        config = opened.sections()
         decoding = opened.decoding("lm-evaluation-harness scores and generates text")
         self.opened = opened
         self.text, self.eos_ids = source_lib.source_tokenizer(opened)
-        self.vocab = int(config.model.vocab_size)
+        vocab = getattr(config.model, "vocab_size", None)  # a model that decodes has one
+        assert vocab is not None
+        self.vocab = int(vocab)
         self._max_length = max_length or opened.context(decoding)[0]
         if decoding.max_positions is not None and self._max_length > decoding.max_positions:
             raise UsageError(
                 f"max_length {self._max_length}: the model's learned positions end at "
                 f"data.seq_len={decoding.max_positions}"
             )
-        mesh = source_lib.make_mesh(config, overrides)
+        mesh = source_lib.make_mesh(opened.config, overrides)
         _, _, abstract, shardings = sampling.param_layout(config, mesh)
         params = source_lib.load_params(
             opened, abstract, shardings, "their scores and generations would be NaN"

@@ -33,7 +33,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -43,6 +42,7 @@ from jaxkit import mesh as mesh_lib
 from jaxkit.models import build_model, contract, layers
 from jaxkit.models.common import Decoding
 from jaxkit.models.kv_cache import Cache
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import on_mesh, with_kernel
 
 MAX_BATCH_ROWS = 64  # rows per compiled batch (rounded up to the batch axes' size)
@@ -230,9 +230,7 @@ def _recomputed_advance(
     return jax.lax.while_loop(going, step, state)
 
 
-def param_layout(
-    config: ml_collections.ConfigDict, mesh: Mesh
-) -> tuple[ml_collections.ConfigDict, nnx.GraphDef, Any, Any]:
+def param_layout(config: RunConfig, mesh: Mesh) -> tuple[RunConfig, nnx.GraphDef, Any, Any]:
     """(config with its attention kernel resolved for the mesh's devices, the model's
     graphdef, its abstract params, their shardings on `mesh` as the run trains them)."""
     config = with_kernel(config, list(mesh.devices.flat), warn=lambda _: None)
@@ -246,7 +244,7 @@ def param_layout(
 class Sampler:
     """A model's params on a mesh, and its generation programs, one per bucket."""
 
-    def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh, params: Any):
+    def __init__(self, config: RunConfig, mesh: Mesh, params: Any):
         """`params` as `param_layout` lays them out (placed there if they are not)."""
         decoding = contract(config).decoding(config)
         if decoding is None:
@@ -266,7 +264,7 @@ class Sampler:
 
     def prompt_bucket(self, longest: int) -> int:
         bucket = max(MIN_PROMPT_BUCKET, 1 << (max(longest, 1) - 1).bit_length())
-        if self.config.model.get("attention") == "splash":
+        if self.config.model.attention == "splash":
             bucket = -(-bucket // SPLASH_BLOCK) * SPLASH_BLOCK
         return bucket
 
@@ -405,7 +403,7 @@ class Sampler:
         data.seq_len where the samples fit in it: a model may take no longer rows."""
         cached = self.decoding.cache is not None
         width = bucket if cached else bucket + max_new
-        seq_len = self.config.data.get("seq_len")
+        seq_len = self.config.data.seq_len
         if not cached and seq_len and longest + max_new <= seq_len:
             width = min(width, int(seq_len))
         tokens = np.zeros((B, width), np.int32)

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import jax
     import ml_collections
 
+    from jaxkit.sections import RunConfig
+
 # What a command on a SOURCE may change of the run's config: where and how it runs.
 OVERRIDABLE = ("mesh.", "model.attention", "model.compute_dtype")
 HF_PREFIX = "hf:"
@@ -51,12 +53,20 @@ class Source:
     checkpoints: Any = None  # WORKDIR/checkpoints
     hf_dir: pathlib.Path | None = None
 
+    def sections(self) -> RunConfig:
+        """The config's typed sections, as the code below the commands reads it (made
+        afresh: a command may have changed the config since it opened the source)."""
+        from jaxkit.config import run_config
+
+        return run_config(self.config)
+
     def decoding(self, refusal: str) -> Any:
         """The model kind's decoding contract; a classifier, which has none, is refused in
         one line ending with `refusal` (what the command would have done with text)."""
         from jaxkit.models import contract
 
-        decoding = contract(self.config).decoding(self.config)
+        typed = self.sections()
+        decoding = contract(typed).decoding(typed)
         if decoding is None:
             raise UsageError(
                 f"{self.where} trained model.kind={self.config.model.kind!r}, a classifier: "
@@ -171,7 +181,7 @@ def open_source(
 ) -> Source:
     """`opts.source` at `opts.step` with `opts.overrides`; `load_config` is the CLI's, which
     loads hf:DIR's config with `hf_head` (data keys) before the overrides."""
-    from jaxkit.config import apply_overrides, validate
+    from jaxkit.config import apply_overrides, saved_config, validate
     from jaxkit.train.checkpoint import CheckpointError, saved_steps
     from jaxkit.workdir import as_path
 
@@ -197,7 +207,7 @@ def open_source(
             f"--step {step}: {opts.source} has checkpoints at steps {', '.join(map(str, steps))}"
         )
     meta = _read_meta(checkpoints, step)
-    config = _saved_config(meta["config"])
+    config = saved_config(meta["config"])
     apply_overrides(config, list(opts.overrides))
     validate(config)
     return Source(config, f"the run in {opts.source}", meta, step, checkpoints)
@@ -213,30 +223,6 @@ def _read_meta(checkpoints: Any, step: int) -> dict:
         raise CheckpointError(f"{path}: the checkpoint's record cannot be read ({err})") from None
 
 
-def _saved_config(saved: dict) -> ml_collections.ConfigDict:
-    """A checkpoint's config, with the keys added since it was saved at the values the run
-    ran as (config.py's `added`)."""
-    import ml_collections
-
-    from jaxkit.config import BASE_KEYS, SOURCE_KEYS, flatten
-    from jaxkit.keys import ALWAYS
-    from jaxkit.models import contract
-
-    config = ml_collections.ConfigDict(saved)
-    flat = flatten(config)
-    source = SOURCE_KEYS.get(str(flat.get("data.source")), ())
-    for key in (*BASE_KEYS, *contract(config).keys(flat), *source):
-        # a dict-valued key (data.mixture) flattens to its fields: it was saved all the same
-        given = key.name in flat or any(k.startswith(key.name + ".") for k in flat)
-        if key.added is ALWAYS or given:
-            continue
-        section, leaf = key.name.split(".", 1)
-        if section not in config:
-            config[section] = ml_collections.ConfigDict()
-        config[section][leaf] = key.added
-    return config
-
-
 def make_mesh(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> jax.sharding.Mesh:
     """The run's mesh on every device here: on another device count its fsdp and tensor
     axes kept and data taking the rest (as a resume elsewhere would), unless the overrides
@@ -244,6 +230,7 @@ def make_mesh(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ja
     import jax
 
     from jaxkit import mesh as mesh_lib
+    from jaxkit.config import run_config
     from jaxkit.models import check_mesh_divides
 
     devices = jax.devices()
@@ -255,7 +242,7 @@ def make_mesh(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ja
         shape = mesh_lib.resolve_mesh_shape(sizes, len(devices))
     except mesh_lib.MeshError as err:
         raise mesh_lib.MeshError(f"{err} (set mesh.* after SOURCE)") from None
-    check_mesh_divides(config, shape)
+    check_mesh_divides(run_config(config), shape)
     return mesh_lib.make_mesh(shape, devices)
 
 
@@ -268,9 +255,11 @@ def load_params(source: Source, abstract: Any, shardings: Any, outcome: str) -> 
     if source.hf_dir is not None:
         from jaxkit.hf.load import check_finite
         from jaxkit.hf.load import load_params as load_hf
+        from jaxkit.models.llama import llama_model
 
-        params = load_hf(source.hf_dir, source.config.model, abstract, shardings)
-        check_finite(source.hf_dir, source.config.model, params, source.where, outcome)
+        model = llama_model(source.sections())  # an hf:DIR runs as a Llama
+        params = load_hf(source.hf_dir, model, abstract, shardings)
+        check_finite(source.hf_dir, model, params, source.where, outcome)
         return params
     assert source.step is not None  # a workdir's source has its step
     return restore_params(source.checkpoints, source.step, shardings)[0]

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 import ml_collections
 import numpy as np
 
-from jaxkit.config import ADDED_DEFAULTS, ConfigError, parse_value
+from jaxkit.config import ADDED_DEFAULTS, ConfigError, model_section, parse_value
 from jaxkit.hf import names
 from jaxkit.models import llama
+from jaxkit.sections import LlamaModel, RunConfig
 
 if TYPE_CHECKING:
     import jax
@@ -48,10 +49,13 @@ _CHECKPOINT_NAME = re.compile(r"(step_)?[0-9]+")
 _COMPARE_ROWS = 1024  # a tied head is compared with the table this many rows at a time
 
 
-def source_dir(config: ml_collections.ConfigDict) -> pathlib.Path | None:
+def source_dir(config: ml_collections.ConfigDict | RunConfig) -> pathlib.Path | None:
     """The directory model.init_from names, or None where it is null (or the kind has none)."""
-    model = config.get("model")
-    value = model.get("init_from") if model is not None else None
+    if isinstance(config, RunConfig):
+        value = getattr(config.model, "init_from", None)  # a Llama's key
+    else:
+        model = config.get("model")
+        value = model.get("init_from") if model is not None else None
     if value is None:
         return None
     if not isinstance(value, str) or not value.startswith(PREFIX) or not value[len(PREFIX) :]:
@@ -198,7 +202,9 @@ def apply_init_from(
             if leaf in config[section]:
                 del config[section][leaf]  # its type may differ from the file's (an int theta)
             config[section][leaf] = value
-    check_weights(directory, config.model)
+    model = model_section(config)
+    assert isinstance(model, LlamaModel)  # model.init_from is a Llama's key
+    check_weights(directory, model)
 
 
 def _model_keys(
@@ -280,7 +286,7 @@ def _take_saved_architecture(
             config[section][leaf] = value
 
 
-def source_record(directory: pathlib.Path, m: ml_collections.ConfigDict) -> dict[str, Any]:
+def source_record(directory: pathlib.Path, m: LlamaModel) -> dict[str, Any]:
     """What an export needs of the source, kept in the run's checkpoints so that the
     directory may go: its config.json, and the dtype the tensors of the model section `m`
     are stored in (`dtype`, most of them; `other_dtypes`, by name, any stored otherwise)."""
@@ -296,7 +302,7 @@ def source_record(directory: pathlib.Path, m: ml_collections.ConfigDict) -> dict
     }
 
 
-def _expected(m: ml_collections.ConfigDict) -> dict[str, names.HfTensor]:
+def _expected(m: LlamaModel) -> dict[str, names.HfTensor]:
     return {t.name: t for t in names.hf_tensors(m)}
 
 
@@ -321,7 +327,7 @@ def _opened(
         yield slice_of
 
 
-def check_weights(directory: pathlib.Path, m: ml_collections.ConfigDict) -> None:
+def check_weights(directory: pathlib.Path, m: LlamaModel) -> None:
     """Every tensor the model section `m` needs is in the files, with its shape and a float
     dtype; none is there that it would not read (a tied head must be the table)."""
     where = f"model.init_from=hf:{directory}"
@@ -394,7 +400,7 @@ def _read(
 
 def load_params(
     directory: pathlib.Path,
-    m: ml_collections.ConfigDict,
+    m: LlamaModel,
     shapes: Any,
     shardings: Any,
     read: Callable[..., np.ndarray] = _read,
@@ -421,10 +427,10 @@ def load_params(
     return loaded
 
 
-def _by_path(m: ml_collections.ConfigDict) -> dict[tuple[str | int, ...], list[names.HfTensor]]:
+def _by_path(m: LlamaModel) -> dict[tuple[str | int, ...], list[names.HfTensor]]:
     """The HF tensors each param of the model section `m` is made of: one, or a scanned
     param's layers, in order."""
-    scanned = bool(m.get("scan_layers", False))
+    scanned = m.scan_layers
     by_path: dict[tuple[str | int, ...], list[names.HfTensor]] = {}
     for t in names.hf_tensors(m):
         path, _ = names.param_path(t, scanned)
@@ -434,7 +440,7 @@ def _by_path(m: ml_collections.ConfigDict) -> dict[tuple[str | int, ...], list[n
 
 def check_finite(
     directory: pathlib.Path,
-    m: ml_collections.ConfigDict,
+    m: LlamaModel,
     params: Any,
     where: str | None = None,
     outcome: str = "training on them gives non-finite losses",
@@ -487,16 +493,15 @@ def _at(tree: Mapping[Any, Any], path: tuple[str | int, ...]) -> Any:
     return node
 
 
-def _value(config: ml_collections.ConfigDict, key: str) -> object:
+def _value(config: RunConfig, key: str) -> object:
     section, leaf = key.split(".", 1)
-    value = config[section].get(leaf)
-    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+    return getattr(getattr(config, section), leaf, None)  # a dict-valued key: a plain dict
 
 
-def check_architecture(config: ml_collections.ConfigDict, directory: pathlib.Path) -> None:
+def check_architecture(config: RunConfig, directory: pathlib.Path) -> None:
     """The config's model keys are config.json's (apply_init_from made them so): a config
     built in a notebook without it is refused, not loaded into a model of another shape."""
-    keys = _model_keys(directory, read_hf_config(directory), config.data.get("seq_len"))
+    keys = _model_keys(directory, read_hf_config(directory), config.data.seq_len)
     differing = [
         f"{key}={_value(config, key)!r}" for key, v in keys.items() if _value(config, key) != v
     ]

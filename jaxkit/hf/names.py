@@ -21,11 +21,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import ml_collections
 import numpy as np
 
 from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Rule, boolean, number
 from jaxkit.models import llama
+from jaxkit.sections import LlamaModel
 
 # Tied or not, HF's torch code computes this buffer; old checkpoints saved it. Not a weight.
 _IGNORED_SUFFIX = ".rotary_emb.inv_freq"
@@ -78,7 +78,7 @@ def param_path(t: HfTensor, scanned: bool) -> tuple[tuple[str | int, ...], int |
     return tuple(part for i, part in enumerate(t.path) if i != 1), t.layer
 
 
-def hf_tensors(m: ml_collections.ConfigDict) -> list[HfTensor]:
+def hf_tensors(m: LlamaModel) -> list[HfTensor]:
     """Every HF tensor of the Llama model section `m`, in the order HF lists them; a tied
     model has no lm_head.weight (its head is the embedding table)."""
     d, heads, kv_heads, f, v = m.d_model, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size
@@ -113,8 +113,8 @@ def hf_tensors(m: ml_collections.ConfigDict) -> list[HfTensor]:
     return out
 
 
-def _scanned(m: ml_collections.ConfigDict) -> bool:
-    return bool(m.get("scan_layers", False))
+def _scanned(m: LlamaModel) -> bool:
+    return m.scan_layers
 
 
 def _get(tree: Mapping[Any, Any], path: tuple[str | int, ...]) -> Any:
@@ -124,7 +124,7 @@ def _get(tree: Mapping[Any, Any], path: tuple[str | int, ...]) -> Any:
     return node
 
 
-def to_hf(params: Mapping[Any, Any], m: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+def to_hf(params: Mapping[Any, Any], m: LlamaModel) -> dict[str, np.ndarray]:
     """The whole model's params (a pure dict, as `nnx.to_pure_dict` gives them, scanned or
     not as model.scan_layers says) as HF tensors, by name, in the params' dtype."""
     scanned = _scanned(m)
@@ -138,7 +138,7 @@ def to_hf(params: Mapping[Any, Any], m: ml_collections.ConfigDict) -> dict[str, 
     return out
 
 
-def from_hf(tensors: Mapping[str, np.ndarray], m: ml_collections.ConfigDict) -> dict[Any, Any]:
+def from_hf(tensors: Mapping[str, np.ndarray], m: LlamaModel) -> dict[Any, Any]:
     """HF tensors (by name) as the params of the Llama model section `m`: a pure dict for
     `nnx.replace_by_pure_dict`, blocks stacked where model.scan_layers says. Every tensor the
     model needs must be there with its shape; a tensor it would not read is an error."""
@@ -345,7 +345,7 @@ def _field(
 
 
 def hf_config_from_model(
-    m: ml_collections.ConfigDict,
+    m: LlamaModel,
     *,
     torch_dtype: str | None = None,
     max_position_embeddings: int = 2048,
@@ -354,7 +354,7 @@ def hf_config_from_model(
     the weights' ("float32", "bfloat16", "float16"; default model.param_dtype).
     `max_position_embeddings` only sizes HF's position tables (jaxkit's rotary takes any
     position)."""
-    scaling = m.get("rope_scaling")
+    scaling = m.rope_scaling
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -367,24 +367,23 @@ def hf_config_from_model(
         "head_dim": llama.head_dim(m),
         "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": float(m.get("norm_eps", llama.NORM_EPS)),
+        "rms_norm_eps": float(m.norm_eps),
         "rope_theta": float(m.rope_theta),
         "rope_scaling": None if scaling is None else {"rope_type": "llama3", **dict(scaling)},
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": torch_dtype or str(m.get("param_dtype", "float32")),
+        "torch_dtype": torch_dtype or m.param_dtype,
     }
 
 
-def _model_value(m: ml_collections.ConfigDict, key: str) -> object:
-    value = m.get(key.split(".", 1)[1])
-    return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+def _model_value(m: LlamaModel, key: str) -> object:
+    return getattr(m, key.split(".", 1)[1])  # a dict-valued key (rope_scaling): a plain dict
 
 
 def carried_config(
     source: Mapping[str, Any],
-    m: ml_collections.ConfigDict,
+    m: LlamaModel,
     *,
     seq_len: int | None,
     torch_dtype: str | None = None,

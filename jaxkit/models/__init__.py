@@ -18,11 +18,10 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-import ml_collections
-
 from jaxkit.keys import ConfigError, Key
 from jaxkit.models import custom, llama, mlp, transformer
 from jaxkit.models.common import CUSTOM_KIND, Decoding, Params, Sizes, is_custom
+from jaxkit.sections import RunConfig
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -55,38 +54,38 @@ class Contract(Protocol):
         """Constraints between its keys, once each holds a value of the right kind."""
         ...
 
-    def is_lm(self, config: ml_collections.ConfigDict) -> bool:
+    def is_lm(self, config: RunConfig) -> bool:
         """(B, L) tokens in, (B, L, V) logits out; else (B, I) features to (B, C) logits."""
         ...
 
-    def build(self, config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module: ...
+    def build(self, config: RunConfig, rngs: nnx.Rngs) -> nnx.Module: ...
 
-    def sharded_sizes(self, config: ml_collections.ConfigDict) -> Sizes:
+    def sharded_sizes(self, config: RunConfig) -> Sizes:
         """(config key, size, mesh axes) for every parameter dimension mesh.RULES shard."""
         ...
 
-    def check_shards(self, config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+    def check_shards(self, config: RunConfig, mesh_shape: dict[str, int]) -> None:
         """What else the mesh must divide (attention heads; a model of your own's params)."""
         ...
 
-    def check_model(self, config: ml_collections.ConfigDict) -> None:
+    def check_model(self, config: RunConfig) -> None:
         """Checks beyond the config's values, before any work (a model of your own is
         built from shapes)."""
         ...
 
-    def matmul_params(self, config: ml_collections.ConfigDict, params: Params) -> int:
+    def matmul_params(self, config: RunConfig, params: Params) -> int:
         """How many of the params take part in a matmul (the basis of model FLOPs)."""
         ...
 
-    def flops_per_example(self, config: ml_collections.ConfigDict, matmul_params: int) -> float:
+    def flops_per_example(self, config: RunConfig, matmul_params: int) -> float:
         """Training FLOPs (forward and backward) of one example (jaxkit/plan/flops.py)."""
         ...
 
-    def decoding(self, config: ml_collections.ConfigDict) -> Decoding | None:
+    def decoding(self, config: RunConfig) -> Decoding | None:
         """How it generates text (jaxkit/generate/sampling.py); None: it cannot (a classifier)."""
         ...
 
-    def facts(self, config: ml_collections.ConfigDict) -> dict[str, Any]:
+    def facts(self, config: RunConfig) -> dict[str, Any]:
         """What a run's records say of the model, beside its param count."""
         ...
 
@@ -112,27 +111,27 @@ def kind_of(kind: str) -> Contract:
     return KINDS[kind]
 
 
-def contract(config: ml_collections.ConfigDict) -> Contract:
+def contract(config: RunConfig) -> Contract:
     """The contract of the config's model kind."""
     return kind_of(str(config.model.kind))
 
 
-def is_lm(config: ml_collections.ConfigDict) -> bool:
+def is_lm(config: RunConfig) -> bool:
     """Whether `config` trains a language model ((B, L) tokens in, (B, L, V) logits out)."""
     return contract(config).is_lm(config)
 
 
-def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
+def build_model(config: RunConfig, rngs: nnx.Rngs) -> nnx.Module:
     return contract(config).build(config, rngs)
 
 
-def sharded_sizes(config: ml_collections.ConfigDict) -> Sizes:
+def sharded_sizes(config: RunConfig) -> Sizes:
     """(config key, size, mesh axes) for every parameter dimension mesh.RULES shard.
     tests/test_validate.py checks this list against the partition specs of the models."""
     return contract(config).sharded_sizes(config)
 
 
-def check_mesh_divides(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+def check_mesh_divides(config: RunConfig, mesh_shape: dict[str, int]) -> None:
     """Fails, naming the key, when a sharded dimension does not divide over its mesh axis.
 
     JAX refuses uneven shards (IndivisibleError when the state is laid out, after the data

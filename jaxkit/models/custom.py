@@ -8,11 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import ml_collections
-
-from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Key, null, show
+from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Key, integer, null, show
 from jaxkit.models import lm, mlp
 from jaxkit.models.common import Decoding, rows_of_features
+from jaxkit.sections import RunConfig
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -34,13 +33,21 @@ CLASSIFIER_KEYS: tuple[Key, ...] = (
         null("a classifier reads rows of features, not sequences"),
         "null: a classifier reads rows of features, not sequences",
     ),
+    # Required with synthetic rows (check_values); digits' classes are the data's.
+    Key(
+        "model.num_classes",
+        None,
+        integer(1, nullable=True),
+        "the classes synthetic rows are labelled in (required with data.source=synthetic)",
+        type=int,
+    ),
 )
 
 
-def is_lm(config: ml_collections.ConfigDict) -> bool:
+def is_lm(config: RunConfig) -> bool:
     """Token rows make it a language model; rows of features (digits, or synthetic without
     data.seq_len) a classifier."""
-    return not rows_of_features(config.data.get("source"), config.data.get("seq_len"))
+    return not rows_of_features(config.data.source, config.data.seq_len)
 
 
 def keys(flat: Mapping[str, object]) -> tuple[Key, ...]:
@@ -66,46 +73,49 @@ def check_values(flat: Mapping[str, Any]) -> None:
         raise ConfigError(f"model.num_classes={show(flat['model.num_classes'])}: {problem}")
 
 
-def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
+def build(config: RunConfig, rngs: nnx.Rngs) -> nnx.Module:
     from jaxkit.models import custom_model
 
-    return custom_model.build(config, rngs)
+    return custom_model.build(config.config, rngs)  # a model of your own: the whole ConfigDict
 
 
-def sharded_sizes(config: ml_collections.ConfigDict) -> Sizes:
+def sharded_sizes(config: RunConfig) -> Sizes:
     del config  # sharded as it annotates: see check_shards
     return []
 
 
-def check_shards(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+def check_shards(config: RunConfig, mesh_shape: dict[str, int]) -> None:
     from jaxkit.models import custom_model
 
-    custom_model.check_shards(config, mesh_shape)
+    custom_model.check_shards(config.config, mesh_shape)
 
 
-def check_model(config: ml_collections.ConfigDict) -> None:
+def check_model(config: RunConfig) -> None:
     """Imports the factory and builds the model from shapes, checking its logits."""
     from jaxkit.models import custom_model  # flax loads only for a model of your own
 
-    custom_model.check(config)
+    custom_model.check(config.config)
 
 
-def matmul_params(config: ml_collections.ConfigDict, params: Params) -> int:
+def matmul_params(config: RunConfig, params: Params) -> int:
     del config  # its architecture is not known here: every param
     return sum(size for _, size in params)
 
 
-def flops_per_example(config: ml_collections.ConfigDict, matmul_params: int) -> float:
+def flops_per_example(config: RunConfig, matmul_params: int) -> float:
     """6 × its params per token (its attention unknown), or per example for a classifier."""
-    return 6.0 * matmul_params * (config.data.seq_len if is_lm(config) else 1)
+    if not is_lm(config):
+        return 6.0 * matmul_params
+    assert config.data.seq_len is not None  # token rows: a language model's
+    return 6.0 * matmul_params * config.data.seq_len
 
 
-def decoding(config: ml_collections.ConfigDict) -> Decoding | None:
+def decoding(config: RunConfig) -> Decoding | None:
     """A language model of your own has no cache the kit knows: each new token recomputes
     the whole prefix. A classifier generates nothing."""
     return Decoding(cache=None) if is_lm(config) else None
 
 
-def facts(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def facts(config: RunConfig) -> dict[str, Any]:
     del config
     return {}

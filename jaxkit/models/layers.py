@@ -17,12 +17,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 from jaxkit.mesh import RULES
 from jaxkit.models.kv_cache import Cache
-from jaxkit.models.lm import LM_OPTION_KEYS
+from jaxkit.sections import Model
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # What a rematerialised block keeps for the backward pass; the rest is recomputed.
@@ -31,21 +30,11 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "full": jax.checkpoint_policies.nothing_saveable,  # only the block's input is kept
     "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept, the rest recomputed
 }
-# The model keys every LM kind reads, with their defaults (configs written before them lack
-# them), as jaxkit/models/lm.py declares them.
-LM_DEFAULTS: dict[str, Any] = {
-    key.leaf: key.default for key in LM_OPTION_KEYS if key.section == "model"
-}
 
 
-def lm_option(model: ml_collections.ConfigDict, key: str) -> Any:
-    """`model.KEY`, or its default for configs that predate it."""
-    return model.get(key, LM_DEFAULTS[key])
-
-
-def dtypes(model: ml_collections.ConfigDict) -> tuple[Any, Any]:
+def dtypes(model: Model) -> tuple[Any, Any]:
     """(param dtype, compute dtype) of the model section."""
-    return DTYPES[lm_option(model, "param_dtype")], DTYPES[lm_option(model, "compute_dtype")]
+    return DTYPES[model.param_dtype], DTYPES[model.compute_dtype]
 
 
 def linear(

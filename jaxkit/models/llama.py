@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import ml_collections
-
 from jaxkit.keys import (
     POSITIVE,
     REQUIRED,
@@ -38,6 +36,7 @@ from jaxkit.models.lm import (
     kernel_params,
     sizes,
 )
+from jaxkit.sections import LlamaModel, RunConfig
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -191,23 +190,28 @@ def check_values(flat: Mapping[str, Any]) -> None:
         raise ConfigError(f"model.rope_scaling={show(value)}: {problem}")
 
 
-def check_model(config: ml_collections.ConfigDict) -> None:
+def llama_model(config: RunConfig) -> LlamaModel:
+    """The config's model section, a Llama's: this contract is asked only of its own kind,
+    and hf/ reads only a Llama's."""
+    assert isinstance(config.model, LlamaModel), type(config.model)
+    return config.model
+
+
+def check_model(config: RunConfig) -> None:
     """model.rope_scaling as the config holds it: an empty dict leaves no dotted key in the
     flattened values check_values sees, so only here is {} told apart from null."""
-    value = config.model.get("rope_scaling")
-    if isinstance(value, ml_collections.ConfigDict):
-        value = value.to_dict()
+    value = llama_model(config).rope_scaling
     problem = _rope_scaling_problem(value)
     if problem:
         raise ConfigError(f"model.rope_scaling={show(value)}: {problem}")
 
 
-def sharded_sizes(config: ml_collections.ConfigDict) -> Sizes:
+def sharded_sizes(config: RunConfig) -> Sizes:
     """As the language models', where heads take d_model / num_heads dimensions each; with
     model.head_dim set, d_model lies on fsdp only, and heads × head_dim (and key/value heads
     × head_dim) are the tensor side of the attention projections."""
-    m = config.model
-    if m.get("head_dim") is None:
+    m = llama_model(config)
+    if m.head_dim is None:
         return lm.sharded_sizes(config)
     k = head_dim(m)
     return [
@@ -223,19 +227,19 @@ def keys(flat: Mapping[str, object]) -> tuple[Key, ...]:
     return KEYS
 
 
-def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
+def build(config: RunConfig, rngs: nnx.Rngs) -> nnx.Module:
     from jaxkit.models.llama_net import LlamaLM  # flax loads with the network
 
-    return LlamaLM(config.model, rngs=rngs)
+    return LlamaLM(llama_model(config), rngs=rngs)
 
 
-def matmul_params(config: ml_collections.ConfigDict, params: Params) -> int:
+def matmul_params(config: RunConfig, params: Params) -> int:
     """The kernels, and the embedding table where it is tied (it is also the head)."""
-    return kernel_params(params, tied_table=bool(config.model.tie_embeddings))
+    return kernel_params(params, tied_table=llama_model(config).tie_embeddings)
 
 
-def decoding(config: ml_collections.ConfigDict) -> Decoding:
+def decoding(config: RunConfig) -> Decoding:
     """A key/value cache of the key/value heads (grouped-query); rotary positions set no
     bound of their own."""
-    m = config.model
+    m = llama_model(config)
     return Decoding(cache=(m.num_layers, m.num_kv_heads, head_dim(m)))

@@ -13,12 +13,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 from jaxkit.mesh import RULES, constrain
 from jaxkit.models import attention, layers, llama_shape
 from jaxkit.models.kv_cache import Cache
+from jaxkit.sections import LlamaModel
 
 INIT_STDDEV = 0.02  # GPT-2's; residual outputs are scaled down further by depth
 
@@ -61,13 +61,13 @@ def rotary(
 
 
 class LlamaBlock(nnx.Module):
-    def __init__(self, m: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    def __init__(self, m: LlamaModel, *, rngs: nnx.Rngs):
         param_dtype, dtype = layers.dtypes(m)
         D, H, G, F = m.d_model, m.num_heads, m.num_kv_heads, m.mlp_dim
         K = llama_shape.head_dim(m)
         self.num_heads, self.num_kv_heads, self.rope_theta = H, G, float(m.rope_theta)
         self.head_dim, self.rope_scaling = K, llama_shape.rope_scaling(m)
-        self.attention = layers.lm_option(m, "attention")  # the kernel (jaxkit/models/attention.py)
+        self.attention = m.attention  # the kernel (jaxkit/models/attention.py)
         eps = llama_shape.norm_eps(m)
         init = nnx.initializers.normal(INIT_STDDEV)
         # Each block adds two outputs to the residual stream: scaled so its variance stays
@@ -135,11 +135,11 @@ class LlamaBlock(nnx.Module):
 
 
 class LlamaLM(nnx.Module):
-    def __init__(self, m: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    def __init__(self, m: LlamaModel, *, rngs: nnx.Rngs):
         param_dtype, self.dtype = layers.dtypes(m)
-        self.remat, self.scan = layers.lm_option(m, "remat"), layers.lm_option(m, "scan_layers")
+        self.remat, self.scan = m.remat, m.scan_layers
         self.tie_embeddings = m.tie_embeddings
-        self.loss_chunk_tokens = layers.lm_option(m, "loss_chunk_tokens")  # models/loss.py
+        self.loss_chunk_tokens = m.loss_chunk_tokens  # models/loss.py
         self.head_name = "embed" if m.tie_embeddings else "head"
         self.embed = nnx.Embed(
             m.vocab_size,
@@ -215,7 +215,7 @@ class LlamaLM(nnx.Module):
         return self.logits(self.final_norm(x_BxTxD)), cache
 
 
-def parameter_count(m: ml_collections.ConfigDict) -> dict[str, int]:
+def parameter_count(m: LlamaModel) -> dict[str, int]:
     """Params by kind, in closed form: the embedding table, the output head (0 when tied),
     and the blocks and final norm."""
     D, H, G, F, V = m.d_model, m.num_heads, m.num_kv_heads, m.mlp_dim, m.vocab_size

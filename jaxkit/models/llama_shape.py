@@ -1,10 +1,11 @@
 """What the Llama contract (llama.py) and its network (llama_net.py) both read from the model
-section: each head's width, RMSNorm's epsilon and the rotary frequency scaling, with the
-defaults runs saved before those keys ran as. Below both, so neither imports the other."""
+section: each head's width, RMSNorm's epsilon and the rotary frequency scaling (runs saved
+before those keys read as their declared defaults: config.saved_config). Below both, so
+neither imports the other."""
 
 from __future__ import annotations
 
-import ml_collections
+from jaxkit.sections import LlamaModel
 
 # flax's RMSNorm epsilon: what every run before model.norm_eps ran with.
 NORM_EPS = 1e-6
@@ -17,18 +18,17 @@ ROPE_SCALING_FIELDS = (
 )
 
 
-def head_dim(m: ml_collections.ConfigDict) -> int:
+def head_dim(m: LlamaModel) -> int:
     """Each attention head's width: model.head_dim, or d_model / num_heads where it is null
     (or the config predates it)."""
-    width = m.get("head_dim")
-    return int(width) if width is not None else int(m.d_model // m.num_heads)
+    return int(m.head_dim) if m.head_dim is not None else int(m.d_model // m.num_heads)
 
 
-def norm_eps(m: ml_collections.ConfigDict) -> float:
-    return float(m.get("norm_eps", NORM_EPS))
+def norm_eps(m: LlamaModel) -> float:
+    return float(m.norm_eps)
 
 
-def rope_scaling(m: ml_collections.ConfigDict) -> dict[str, float] | None:
+def rope_scaling(m: LlamaModel) -> dict[str, float] | None:
     """model.rope_scaling as a plain dict, or None (null, or a config that predates it)."""
-    value = m.get("rope_scaling")
+    value = m.rope_scaling
     return None if value is None else {field: value[field] for field in ROPE_SCALING_FIELDS}

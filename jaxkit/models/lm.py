@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import ml_collections
-
 from jaxkit.batch import mixture
 from jaxkit.keys import (
     COUNT,
@@ -27,6 +25,7 @@ from jaxkit.keys import (
     text,
 )
 from jaxkit.models.common import BYTES, EVAL_FRACTION
+from jaxkit.sections import LlamaModel, RunConfig, TransformerModel
 
 if TYPE_CHECKING:
     from jaxkit.models.common import Params, Sizes
@@ -192,27 +191,43 @@ def check_values(flat: Mapping[str, Any]) -> None:
         )
 
 
-def is_lm(config: ml_collections.ConfigDict) -> bool:
+def lm_model(config: RunConfig) -> TransformerModel | LlamaModel:
+    """The config's model section, a built-in language model's: the contracts of this module
+    are asked only of those kinds."""
+    m = config.model
+    assert isinstance(m, TransformerModel | LlamaModel), type(m)
+    return m
+
+
+def lm_seq_len(config: RunConfig) -> int:
+    """data.seq_len, which every language model's config gives (config.check_values)."""
+    assert config.data.seq_len is not None
+    return config.data.seq_len
+
+
+def is_lm(config: RunConfig) -> bool:
     del config
     return True
 
 
-def sharded_sizes(config: ml_collections.ConfigDict) -> Sizes:
+def sharded_sizes(config: RunConfig) -> Sizes:
     """d_model is the fsdp side of every kernel, embedding and head, and, as heads·head_dim,
     the tensor side of the attention projections; mlp_dim is the tensor side of the MLP."""
-    m = config.model
+    m = lm_model(config)
     return [
         ("model.d_model", m.d_model, ("fsdp", "tensor")),
         ("model.mlp_dim", m.mlp_dim, ("tensor",)),
     ]
 
 
-def check_shards(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+def check_shards(config: RunConfig, mesh_shape: dict[str, int]) -> None:
     """Fails where the tensor axis would cut an attention head in parts."""
-    tensor = mesh_shape["tensor"]
-    for key in ("num_heads", "num_kv_heads"):
-        heads = config.model.get(key)
-        if heads is None or not heads % tensor:
+    m, tensor = lm_model(config), mesh_shape["tensor"]
+    counts = {"num_heads": m.num_heads}
+    if isinstance(m, LlamaModel):  # key/value heads: llama's
+        counts["num_kv_heads"] = m.num_kv_heads
+    for key, heads in counts.items():
+        if not heads % tensor:
             continue
         # Attention runs head by head: a head split over devices is gathered whole again at
         # every layer (XLA's "involuntary full rematerialization"), the work repeated.
@@ -224,7 +239,7 @@ def check_shards(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) 
         )
 
 
-def check_model(config: ml_collections.ConfigDict) -> None:
+def check_model(config: RunConfig) -> None:
     del config  # its values say all: config.check_values checked them
 
 
@@ -235,21 +250,22 @@ def kernel_params(params: Params, *, tied_table: bool = False) -> int:
     return sum(size for name, size in params if name in weights)
 
 
-def flops_per_example(config: ml_collections.ConfigDict, matmul_params: int) -> float:
+def flops_per_example(config: RunConfig, matmul_params: int) -> float:
     """6 × the matmul params per token, plus attention's 12 × layers × heads × head_dim ×
     seq_len (scores and weighted values, forward and backward, over the whole square);
     heads × head_dim is d_model unless model.head_dim says otherwise."""
-    m, seq_len = config.model, config.data.seq_len
-    width = m.d_model if m.get("head_dim") is None else m.num_heads * m.head_dim
+    m, seq_len = lm_model(config), lm_seq_len(config)
+    head_dim = m.head_dim if isinstance(m, LlamaModel) else None  # null: d_model / num_heads
+    width = m.d_model if head_dim is None else m.num_heads * head_dim
     per_token = 6.0 * matmul_params + 12.0 * m.num_layers * width * seq_len
     return per_token * seq_len
 
 
-def facts(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def facts(config: RunConfig) -> dict[str, Any]:
     """Its precision, remat and layer layout, as a run's records give them (a config saved
-    before a key ran at its default)."""
+    before a key ran at its default, which its section holds)."""
     return {
-        key.leaf: config.model.get(key.leaf, key.default)
+        key.leaf: getattr(config.model, key.leaf)
         for key in LM_OPTION_KEYS
         if key.section == "model"
     }

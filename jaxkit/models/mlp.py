@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import ml_collections
-
 from jaxkit.keys import POSITIVE, REQUIRED, ConfigError, Key, null, one_of
 from jaxkit.models.common import DIGITS_CLASSES, DIGITS_FEATURES, EVAL_FRACTION
+from jaxkit.sections import MlpModel, RunConfig
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -64,52 +63,64 @@ def check_values(flat: Mapping[str, Any]) -> None:
         )
 
 
-def is_lm(config: ml_collections.ConfigDict) -> bool:
+def is_lm(config: RunConfig) -> bool:
     del config
     return False
 
 
-def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
+def _model(config: RunConfig) -> MlpModel:
+    """The config's model section, an MLP's: this contract is asked only of its kind."""
+    assert isinstance(config.model, MlpModel), type(config.model)
+    return config.model
+
+
+def _num_features(config: RunConfig) -> int:
+    """data.num_features, which every MLP config gives (config.check_values)."""
+    assert config.data.num_features is not None
+    return config.data.num_features
+
+
+def build(config: RunConfig, rngs: nnx.Rngs) -> nnx.Module:
     from jaxkit.models.mlp_net import MLPClassifier  # flax loads with the network
 
-    m = config.model
+    m = _model(config)
     return MLPClassifier(
-        config.data.num_features, m.hidden_size, m.num_layers, m.num_classes, rngs=rngs
+        _num_features(config), m.hidden_size, m.num_layers, m.num_classes, rngs=rngs
     )
 
 
-def sharded_sizes(config: ml_collections.ConfigDict) -> Sizes:
+def sharded_sizes(config: RunConfig) -> Sizes:
     """The first layer's inputs lie on fsdp, and hidden units on both axes."""
     return [
-        ("data.num_features", config.data.num_features, ("fsdp",)),
-        ("model.hidden_size", config.model.hidden_size, ("fsdp", "tensor")),
+        ("data.num_features", _num_features(config), ("fsdp",)),
+        ("model.hidden_size", _model(config).hidden_size, ("fsdp", "tensor")),
     ]
 
 
-def check_shards(config: ml_collections.ConfigDict, mesh_shape: dict[str, int]) -> None:
+def check_shards(config: RunConfig, mesh_shape: dict[str, int]) -> None:
     del config, mesh_shape  # no heads: its sharded sizes say all
 
 
-def check_model(config: ml_collections.ConfigDict) -> None:
+def check_model(config: RunConfig) -> None:
     del config  # its values say all: config.check_values checked them
 
 
-def matmul_params(config: ml_collections.ConfigDict, params: Params) -> int:
+def matmul_params(config: RunConfig, params: Params) -> int:
     """Every param (PaLM's convention counts a layer's bias with its matmul)."""
     del config
     return sum(size for _, size in params)
 
 
-def flops_per_example(config: ml_collections.ConfigDict, matmul_params: int) -> float:
+def flops_per_example(config: RunConfig, matmul_params: int) -> float:
     del config
     return 6.0 * matmul_params
 
 
-def decoding(config: ml_collections.ConfigDict) -> None:
+def decoding(config: RunConfig) -> None:
     del config  # a classifier: it generates nothing
     return None
 
 
-def facts(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def facts(config: RunConfig) -> dict[str, Any]:
     del config
     return {}

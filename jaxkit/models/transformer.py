@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-import ml_collections
-
 from jaxkit.keys import Key
 from jaxkit.models.common import Decoding
 from jaxkit.models.lm import (
@@ -20,9 +18,11 @@ from jaxkit.models.lm import (
     flops_per_example,
     is_lm,
     kernel_params,
+    lm_seq_len,
     sharded_sizes,
     sizes,
 )
+from jaxkit.sections import RunConfig, TransformerModel
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -57,19 +57,25 @@ def keys(flat: Mapping[str, object]) -> tuple[Key, ...]:
     return KEYS
 
 
-def build(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
+def _model(config: RunConfig) -> TransformerModel:
+    """The config's model section, a Transformer's: this contract is asked only of its kind."""
+    assert isinstance(config.model, TransformerModel), type(config.model)
+    return config.model
+
+
+def build(config: RunConfig, rngs: nnx.Rngs) -> nnx.Module:
     from jaxkit.models.transformer_net import TransformerLM  # flax loads with the network
 
-    return TransformerLM(config.model, seq_len=config.data.seq_len, rngs=rngs)
+    return TransformerLM(_model(config), seq_len=lm_seq_len(config), rngs=rngs)
 
 
-def matmul_params(config: ml_collections.ConfigDict, params: Params) -> int:
+def matmul_params(config: RunConfig, params: Params) -> int:
     del config
     return kernel_params(params)
 
 
-def decoding(config: ml_collections.ConfigDict) -> Decoding:
+def decoding(config: RunConfig) -> Decoding:
     """A key/value cache of a head per head; its learned positions end at data.seq_len."""
-    m = config.model
+    m = _model(config)
     heads = (m.num_layers, m.num_heads, m.d_model // m.num_heads)
-    return Decoding(cache=heads, max_positions=int(config.data.seq_len))
+    return Decoding(cache=heads, max_positions=lm_seq_len(config))

@@ -12,13 +12,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 from jaxkit.keys import ConfigError
 from jaxkit.mesh import RULES, constrain
 from jaxkit.models import attention, layers
 from jaxkit.models.kv_cache import Cache
+from jaxkit.sections import TransformerModel
 
 _linear = layers.linear
 
@@ -90,15 +90,15 @@ class Block(nnx.Module):
 class TransformerLM(nnx.Module):
     """Decoder-only byte LM with learned positions."""
 
-    def __init__(self, m: ml_collections.ConfigDict, *, seq_len: int, rngs: nnx.Rngs):
+    def __init__(self, m: TransformerModel, *, seq_len: int, rngs: nnx.Rngs):
         """From the config's model section, as LlamaLM; `seq_len` (data.seq_len) is the
         length of the learned position table."""
         vocab_size, d_model, num_heads = m.vocab_size, m.d_model, m.num_heads
         if d_model % num_heads:
             raise ConfigError(f"model.d_model={d_model} is not divisible by num_heads={num_heads}")
         param_dtype, self.dtype = layers.dtypes(m)
-        self.remat, self.scan = layers.lm_option(m, "remat"), layers.lm_option(m, "scan_layers")
-        self.loss_chunk_tokens = layers.lm_option(m, "loss_chunk_tokens")  # models/loss.py
+        self.remat, self.scan = m.remat, m.scan_layers
+        self.loss_chunk_tokens = m.loss_chunk_tokens  # models/loss.py
         self.head_name = "head"
         kw: dict[str, Any] = dict(dtype=self.dtype, param_dtype=param_dtype)
         embed_init = nnx.initializers.normal(stddev=0.02)
@@ -120,7 +120,7 @@ class TransformerLM(nnx.Module):
                 num_heads,
                 m.mlp_dim,
                 rngs=r,
-                attention=layers.lm_option(m, "attention"),
+                attention=m.attention,
                 **kw,
             ),
             m.num_layers,

@@ -25,11 +25,10 @@ import dataclasses
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 from jaxkit import mesh as mesh_lib
@@ -38,6 +37,7 @@ from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import is_lm
 from jaxkit.plan import compile_cache
 from jaxkit.plan.flops import hardware_flops, model_flops_per_example
+from jaxkit.sections import RunConfig
 from jaxkit.step.optimizer import Hyper
 from jaxkit.step.train_step import Setup, abstract_state, build
 
@@ -148,46 +148,57 @@ class StepCost:
         }
 
 
-def ramps(config: ml_collections.ConfigDict) -> bool:
+def ramps(config: RunConfig) -> bool:
     """Whether `config`'s run grows its global batch (a batch schedule): its stages change
     only K, so its one MultiSteps program keeps an accumulator even where K is 1, and a
     split of it compiled alone (split_config drops the schedule) must keep one too."""
-    return bool(config.batch.get("schedule"))
+    return bool(config.batch.schedule)
 
 
-def split_config(
-    config: ml_collections.ConfigDict, per_device_batch_size: int, grad_accum_steps: int
-) -> ml_collections.ConfigDict:
+def split_batch(per_device_batch_size: int, grad_accum_steps: int) -> dict[str, Any]:
+    """The batch keys that name a split: its per-device batch and K, the global derived,
+    one fixed global batch (no schedule)."""
+    return {
+        "global_batch_size": None,
+        "per_device_batch_size": per_device_batch_size,
+        "grad_accum_steps": grad_accum_steps,
+        "schedule": "",
+        "max_global_batch_size": None,
+    }
+
+
+def split_config(config: RunConfig, per_device_batch_size: int, grad_accum_steps: int) -> RunConfig:
     """A copy of `config` whose batch section names this split (global derived)."""
-    out = ml_collections.ConfigDict(config.to_dict())
-    out.batch.global_batch_size = None
-    out.batch.per_device_batch_size = per_device_batch_size
-    out.batch.grad_accum_steps = grad_accum_steps
-    out.batch.schedule, out.batch.max_global_batch_size = "", None  # one fixed global batch
-    return out
+    batch = dataclasses.replace(
+        config.batch, **split_batch(per_device_batch_size, grad_accum_steps)
+    )
+    return dataclasses.replace(config, batch=batch)
 
 
-def batch_row_spec(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], str]]:
+def batch_row_spec(config: RunConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """Each train batch entry's per-row shape and dtype, as the loader delivers them."""
+    d = config.data
     if is_lm(config):
-        row = ((config.data.seq_len,), "int32")
+        assert d.seq_len is not None  # a language model's rows are seq_len tokens
+        row = ((d.seq_len,), "int32")
         spec: dict[str, tuple[tuple[int, ...], str]] = {
             "inputs": row,
             "targets": row,
-            "loss_weights": ((config.data.seq_len,), "float32"),
+            "loss_weights": ((d.seq_len,), "float32"),
         }
-        if config.data.get("document_mask", False):  # packed documents' segments
+        if d.document_mask:  # packed documents' segments
             spec |= {"segment_ids": row, "positions": row}
         return spec
+    assert d.num_features is not None  # a classifier's rows are num_features features
     return {
-        "inputs": ((config.data.num_features,), "float32"),
+        "inputs": ((d.num_features,), "float32"),
         "targets": ((), "int32"),
         "loss_weights": ((), "float32"),
     }
 
 
 def abstract_batch(
-    config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup
+    config: RunConfig, plan: BatchPlan, setup: Setup
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """Shapes, dtypes and shardings of the batch one call of `setup.step` takes."""
     if setup.accumulation is Accumulation.FUSED:
@@ -225,9 +236,7 @@ class OutOfMemory(Exception):  # noqa: N818 — what the compiler said, not a bu
         self.needed_bytes = int(float(found[1]) * scale[found[2]]) if found else None
 
 
-def _lower(
-    config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup
-) -> tuple[jax.stages.Lowered, Any]:
+def _lower(config: RunConfig, plan: BatchPlan, setup: Setup) -> tuple[jax.stages.Lowered, Any]:
     state = abstract_state(setup)
     batch = abstract_batch(config, plan, setup)
     return setup.step.lower(state, batch, abstract_hyper(setup)), state
@@ -246,7 +255,7 @@ def _compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
 
 
 def _with_counts(
-    cost: StepCost, config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup, hlo: str
+    cost: StepCost, config: RunConfig, plan: BatchPlan, setup: Setup, hlo: str
 ) -> StepCost:
     """`cost` with the figures the setup gives: FLOP counts per call and the state's bytes."""
     # The fused program is a whole optimizer step; its trips were counted.
@@ -261,7 +270,7 @@ def _with_counts(
 
 
 def compile_setup_step(
-    config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup
+    config: RunConfig, plan: BatchPlan, setup: Setup
 ) -> tuple[jax.stages.Compiled, StepCost]:
     """`setup.step` compiled ahead of time from shapes alone, and what it costs.
 
@@ -292,7 +301,7 @@ _COMPILED_FIELDS = (
 
 
 def _target_step_cost(
-    config: ml_collections.ConfigDict, plan: BatchPlan, setup: Setup, devices: Sequence[jax.Device]
+    config: RunConfig, plan: BatchPlan, setup: Setup, devices: Sequence[jax.Device]
 ) -> StepCost:
     """compile_setup_step's cost for a described TPU slice, from the plan cache when this
     program was compiled for these chips before (see compile_cache)."""
@@ -336,7 +345,7 @@ class StepPrograms:
     """The compiled step for each K a run uses: one program with MultiSteps (K is one of
     its arguments), one per K in fused mode (K is the leading dimension of its batch)."""
 
-    def __init__(self, config: ml_collections.ConfigDict, setup: Setup):
+    def __init__(self, config: RunConfig, setup: Setup):
         self.config, self.setup = config, setup
         self.fused = setup.accumulation is Accumulation.FUSED
         self.compiled: dict[int | None, tuple[jax.stages.Compiled, StepCost]] = {}
@@ -412,14 +421,14 @@ def cost_of(
 
 
 def step_cost(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     plan: BatchPlan,
     devices: Sequence[jax.Device],
     ramps: bool = False,
 ) -> StepCost:
     """Compiled per-device memory and FLOPs of one optimizer step under `plan` on `devices`
     (`ramps`: in a run whose batch schedule grows past it, as train_step.build says)."""
-    mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
+    mesh = mesh_lib.make_mesh(dataclasses.asdict(config.mesh), devices)
     setup = build(config, plan, mesh, ramps=ramps)
     if _described(devices):
         return _target_step_cost(config, plan, setup, devices)
@@ -448,18 +457,16 @@ class Split:
         return c.hardware_flops_per_step / c.model_flops_per_step
 
 
-def with_remat(config: ml_collections.ConfigDict, remat: str | None) -> ml_collections.ConfigDict:
+def with_remat(config: RunConfig, remat: str | None) -> RunConfig:
     """`config` with model.remat set (a copy), or `config` itself for None."""
     if remat is None:
         return config
-    out = ml_collections.ConfigDict(config.to_dict())
-    out.model.remat = remat
-    return out
+    # one of model.remat's choices: planning's --remat policies are checked against them
+    model = dataclasses.replace(config.model, remat=cast(Any, remat))
+    return dataclasses.replace(config, model=model)
 
 
-def enumerate_splits(
-    config: ml_collections.ConfigDict, device_counts: Sequence[int]
-) -> list[Split]:
+def enumerate_splits(config: RunConfig, device_counts: Sequence[int]) -> list[Split]:
     """Every exact (devices, per-device batch, accumulation) for the config's global batch.
 
     On each device count the mesh is the config's (one axis may be -1); counts the mesh
@@ -470,7 +477,7 @@ def enumerate_splits(
     splits = []
     for n in sorted(set(device_counts), reverse=True):
         try:
-            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), n)
+            shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), n)
         except mesh_lib.MeshError:
             continue
         dp = shape["data"] * shape["fsdp"]
@@ -482,15 +489,13 @@ def enumerate_splits(
     return splits
 
 
-def splits_global_batch(
-    config: ml_collections.ConfigDict, device_counts: Sequence[int]
-) -> int | None:
+def splits_global_batch(config: RunConfig, device_counts: Sequence[int]) -> int | None:
     """The global batch every split makes: the config's, resolved on the most devices the
     mesh fits (with global_batch_size unset it depends on the data-parallel size); None
     where the mesh fits none of the counts."""
     for n in sorted(set(device_counts), reverse=True):
         try:
-            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), n)
+            shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), n)
         except mesh_lib.MeshError:
             continue
         return plan_from_config(config, shape).global_batch_size
@@ -498,7 +503,7 @@ def splits_global_batch(
 
 
 def left_out(
-    config: ml_collections.ConfigDict, device_counts: Sequence[int], splits: Sequence[Split]
+    config: RunConfig, device_counts: Sequence[int], splits: Sequence[Split]
 ) -> dict[int, str]:
     """Each device count that has no split, and why."""
     g = splits_global_batch(config, device_counts)
@@ -506,7 +511,7 @@ def left_out(
     reasons = {}
     for n in sorted(set(device_counts) - present, reverse=True):
         try:
-            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), n)
+            shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), n)
         except mesh_lib.MeshError as err:
             reasons[n] = str(err)
             continue
@@ -516,7 +521,7 @@ def left_out(
 
 
 def with_costs(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     splits: Sequence[Split],
     devices: Sequence[jax.Device],
     progress: Callable[[Split], None] = lambda split: None,
@@ -582,7 +587,7 @@ class BatchSearch:
 
 
 def max_per_device_batch(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     devices: Sequence[jax.Device],
     budget: int,
     limit: int = 1 << 20,
@@ -597,7 +602,7 @@ def max_per_device_batch(
     compile begins (one for a TPU slice can take minutes), `progress(b, memory)` as it ends.
     """
     start = time.perf_counter()
-    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+    shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), len(devices))
     tried: dict[int, int | None] = {}
     refused: dict[int, OutOfMemory] = {}
     costs: dict[int, StepCost] = {}

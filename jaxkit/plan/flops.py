@@ -24,24 +24,24 @@ import re
 from collections import defaultdict
 
 import jax
-import ml_collections
 
 from jaxkit.models import contract
 from jaxkit.plan import hlo
+from jaxkit.sections import RunConfig
 
 _SHAPE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?(\w+)\[([\d,]*)\]")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OPERANDS = re.compile(r"\b(?:dot|convolution|custom-call)\((%[\w.\-]+),\s*(%[\w.\-]+)")
 
 
-def matmul_params(config: ml_collections.ConfigDict, params: dict) -> int:
+def matmul_params(config: RunConfig, params: dict) -> int:
     """Params that take part in a matmul, as the model kind's contract counts them."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     named = [(str(getattr(path[-1], "key", "")), leaf.size) for path, leaf in leaves]
     return contract(config).matmul_params(config, named)
 
 
-def model_flops_per_example(config: ml_collections.ConfigDict) -> float:
+def model_flops_per_example(config: RunConfig) -> float:
     """Training FLOPs (forward and backward) of one example, by the convention above."""
     from jaxkit.step.train_step import abstract_params  # the model's shapes, nothing allocated
 
@@ -243,13 +243,13 @@ def _matmul_flops(line: str, shapes: dict[str, tuple[int, ...]]) -> float:
     return 2.0 * out * math.prod(lhs[d] for d in dims)
 
 
-def param_count(config: ml_collections.ConfigDict) -> int:
+def param_count(config: RunConfig) -> int:
     from jaxkit.step.train_step import abstract_params
 
     return sum(leaf.size for leaf in jax.tree.leaves(abstract_params(config)))
 
 
-def model_facts(config: ml_collections.ConfigDict) -> dict:
+def model_facts(config: RunConfig) -> dict:
     """Param count, and for a language model its precision, remat and layer layout."""
     from jaxkit.plan.flops import param_count
 

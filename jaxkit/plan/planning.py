@@ -20,7 +20,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
-import ml_collections
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.plan import BatchPlan
@@ -28,10 +27,11 @@ from jaxkit.batch.schedule import BatchSchedule, schedule_from_config
 from jaxkit.config import ConfigError
 from jaxkit.data.sources import checked_sources
 from jaxkit.models import check_mesh_divides, contract
-from jaxkit.models.layers import REMAT_POLICIES, lm_option
+from jaxkit.models.layers import REMAT_POLICIES
 from jaxkit.plan import costs
 from jaxkit.plan.flops import model_facts, model_flops_per_example
 from jaxkit.plan.targets import Target, batch_shards_per_host, target_devices
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import check_on_mesh, with_kernel
 
 
@@ -45,12 +45,12 @@ def devices_for(target: Target | None) -> Sequence[jax.Device]:
 
 
 def mesh_shape(
-    config: ml_collections.ConfigDict, devices: Sequence[jax.Device], target: Target | None = None
+    config: RunConfig, devices: Sequence[jax.Device], target: Target | None = None
 ) -> dict[str, int]:
     """The config's mesh on `devices`, checked to shard the model evenly: every command
     plans, trains and measures on it."""
     try:
-        shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+        shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), len(devices))
     except mesh_lib.MeshError as err:
         if target is None:
             raise
@@ -61,14 +61,12 @@ def mesh_shape(
     return shape
 
 
-def resolve_remat(
-    policies: str | Sequence[str] | None, config: ml_collections.ConfigDict
-) -> list[str | None]:
+def resolve_remat(policies: str | Sequence[str] | None, config: RunConfig) -> list[str | None]:
     """The activation-recompute policies to compare (--remat's comma-separated list, or a
     sequence); without them the config's own (None for a model without remat)."""
     has_remat = contract(config).READS_LM_OPTIONS
     if policies is None:
-        return [lm_option(config.model, "remat") if has_remat else None]
+        return [config.model.remat if has_remat else None]
     text = policies if isinstance(policies, str) else ",".join(policies)
     if not has_remat:
         raise PlanError(
@@ -122,11 +120,11 @@ def resolve_device_counts(counts: str | Sequence[int] | None, live: int) -> list
     return sorted(set(counts), reverse=True)
 
 
-def check_counts_shard_evenly(config: ml_collections.ConfigDict, counts: Sequence[int]) -> None:
+def check_counts_shard_evenly(config: RunConfig, counts: Sequence[int]) -> None:
     """The mesh on each device count (where it fits) must shard the parameters evenly."""
     for n in counts:
         try:
-            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), n)
+            shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), n)
         except mesh_lib.MeshError:
             continue  # enumerate_splits leaves out the counts this mesh cannot use
         try:
@@ -140,7 +138,7 @@ class Request:
     """A plan request, checked: the config's schedule on its mesh, the devices (live or a
     described slice's), the memory budget and the remat policies to compare."""
 
-    config: ml_collections.ConfigDict
+    config: RunConfig
     devices: Sequence[jax.Device]
     shape: dict[str, int]
     schedule: BatchSchedule
@@ -162,7 +160,7 @@ class Request:
 
 
 def request(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     devices: Sequence[jax.Device] | None = None,
     shape: dict[str, int] | None = None,
     *,
@@ -207,7 +205,7 @@ def request(
     return Request(config, devices, shape, schedule, budget, policies, target, shards, info)
 
 
-def model_json(config: ml_collections.ConfigDict, plan: BatchPlan) -> dict[str, object]:
+def model_json(config: RunConfig, plan: BatchPlan) -> dict[str, object]:
     """The model's size, precision and layout, and its model FLOPs per optimizer step: per
     device, as records and summaries give them, and on all devices together."""
     facts = {"kind": config.model.kind, **model_facts(config)}

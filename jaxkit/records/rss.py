@@ -11,6 +11,7 @@ resident set instead of lingering in the heap. Linux only (/proc/self/statm).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -60,16 +61,16 @@ def measure(config_dict: dict, per_device_batch_size: int, devices: int) -> dict
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", devices)
-    import ml_collections
     import numpy as np
 
     from jaxkit import mesh as mesh_lib
     from jaxkit.batch.schedule import plan_from_config
+    from jaxkit.config import saved_run_config
     from jaxkit.plan import costs
     from jaxkit.step.train_step import build
 
-    config = costs.split_config(ml_collections.ConfigDict(config_dict), per_device_batch_size, 1)
-    mesh = mesh_lib.make_mesh(config.mesh.to_dict())
+    config = costs.split_config(saved_run_config(config_dict), per_device_batch_size, 1)
+    mesh = mesh_lib.make_mesh(dataclasses.asdict(config.mesh))
     plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
     setup = build(config, plan, mesh)
     step, cost = costs.compile_setup_step(config, plan, setup)

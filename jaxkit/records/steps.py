@@ -11,7 +11,6 @@ import statistics
 import time
 
 import jax
-import ml_collections
 import numpy as np
 
 from jaxkit.batch.noise_scale import SMALL_BATCH_ROWS, NoiseScale, has_two_batch_sizes
@@ -21,6 +20,7 @@ from jaxkit.data import sources as data_lib
 from jaxkit.plan.costs import StepCost
 from jaxkit.plan.flops import model_facts
 from jaxkit.plan.peak import Peak
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import Setup
 
 
@@ -45,7 +45,7 @@ class StepTracker:
 
     def __init__(
         self,
-        config: ml_collections.ConfigDict,
+        config: RunConfig,
         plan: BatchPlan,
         setup: Setup,
         cost: StepCost | None = None,
@@ -271,7 +271,7 @@ def format_record(record: dict) -> str:
 
 
 def summarize(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     plan: BatchPlan,
     records: list[dict],
     tracker: StepTracker,
@@ -286,7 +286,7 @@ def summarize(
     eval_records = [r for r in records if "eval_loss" in r]
     step_time = statistics.median(tracker.all_times) if tracker.all_times else None
     summary = {
-        "config": config.get("name"),
+        "config": config.name,
         "steps": steps,
         "examples_seen": tracker.examples_seen,
         "global_batch_size": plan.global_batch_size,

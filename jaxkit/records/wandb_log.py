@@ -22,11 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 
 from jaxkit.distributed import process_0_refusal
 from jaxkit.keys import ConfigError
 from jaxkit.records.metrics import read_metrics, scalars
+from jaxkit.sections import RunConfig
 from jaxkit.workdir import as_path, write_text_atomic
 
 # In the workdir: the W&B run that follows it, and where it is ({"id", "project", "entity"}).
@@ -34,14 +34,14 @@ ID_FILE = "wandb.json"
 INSTALL = "pip install 'jaxkit[wandb]'"
 
 
-def project(config: ml_collections.ConfigDict) -> str | None:
-    """The W&B project a run logs to; None: off (also for a config saved before the key)."""
-    section = config.get("wandb")
-    return None if section is None else section.get("project")
+def project(config: RunConfig) -> str | None:
+    """The W&B project a run logs to; None: off (also for a config saved before the key,
+    which reads as it ran: config.ADDED_DEFAULTS)."""
+    return config.wandb.project
 
 
 def check(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     workdir: str | os.PathLike | None,
     echo: Callable[[str], None],
 ) -> None:
@@ -93,7 +93,7 @@ class WandbRun:
 
 
 def open_run(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     workdir: str | os.PathLike | None,
     step: int,
     run_config: dict,
@@ -120,7 +120,7 @@ def open_run(
 
 def _open(
     wandb: Any,
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     workdir: str | os.PathLike,
     step: int,
     run_config: dict,

@@ -16,13 +16,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
 from jaxkit.batch.plan import BatchPlan
 from jaxkit.batch.schedule import BatchSchedule
 from jaxkit.config import ConfigError
+from jaxkit.sections import RunConfig
 
 
 class Hyper(NamedTuple):
@@ -58,7 +58,7 @@ def float32(tree: Any) -> Any:
 
 
 def make_optimizer(
-    config: ml_collections.ConfigDict, hyper: Hyper, accumulator: bool = True
+    config: RunConfig, hyper: Hyper, accumulator: bool = True
 ) -> optax.MultiSteps | OneCallSteps:
     """MultiSteps(K) around (record norm, clip, adamw | sgd), K and the rate from `hyper`;
     without `accumulator`, OneCallSteps around the same chain (every call one step).
@@ -71,7 +71,7 @@ def make_optimizer(
     (GradNormState, clip state, optimizer state).
     """
     o = config.optimizer
-    mask = decays(bool(config.model.get("scan_layers", False)))
+    mask = decays(config.model.scan_layers)
 
     def rate(count: Any) -> Any:
         del count

@@ -12,11 +12,10 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
@@ -33,6 +32,7 @@ from jaxkit.models import (
     eval_sums,
     model_loss,
 )
+from jaxkit.sections import RunConfig
 from jaxkit.step.fused_step import fused_train_step
 from jaxkit.step.optimizer import (
     Hyper,
@@ -64,30 +64,31 @@ def _stderr(line: str) -> None:
 
 
 def with_kernel(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     devices: Sequence[jax.Device],
     warn: Callable[[str], None] = _stderr,
-) -> ml_collections.ConfigDict:
+) -> RunConfig:
     """`config` with model.attention the kernel that runs on `devices` (a copy where that
     differs from what it says), for a model that reads the LM options; `config` otherwise."""
     if not contract(config).READS_LM_OPTIONS:
         return config
     m, data = config.model, config.data
+    assert data.seq_len is not None  # a model that reads the LM options reads rows of tokens
     kernel, note = attention.choose(
-        m.get("attention", "auto"),
+        m.attention,
         backend=attention.backend_of(devices[0]),
-        compute_dtype=m.get("compute_dtype", "float32"),
-        seq_len=int(data.seq_len),
-        document_mask=data.get("source") == "tokens" and bool(data.get("document_mask", False)),
+        compute_dtype=m.compute_dtype,
+        seq_len=data.seq_len,
+        document_mask=data.source == "tokens" and data.document_mask,
         fused=Accumulation(config.train.accumulation) is Accumulation.FUSED,
     )
     if note:
         warn(note)
-    if m.get("attention") == kernel:
+    if m.attention == kernel:
         return config
-    out = ml_collections.ConfigDict(config.to_dict())
-    out.model.attention = kernel
-    return out
+    # one of model.attention's choices: attention.choose picks among them
+    model = dataclasses.replace(m, attention=cast(Any, kernel))
+    return dataclasses.replace(config, model=model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,18 +132,18 @@ class Setup:
         return hyper_for(self.schedule, plan, examples)
 
 
-def _abstract_model(config: ml_collections.ConfigDict) -> tuple[nnx.GraphDef, nnx.State]:
+def _abstract_model(config: RunConfig) -> tuple[nnx.GraphDef, nnx.State]:
     with nnx.use_eager_sharding(False):
         return nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))
 
 
-def abstract_params(config: ml_collections.ConfigDict) -> dict:
+def abstract_params(config: RunConfig) -> dict:
     """The model's params as shapes and dtypes (nested dicts), nothing allocated."""
     return nnx.to_pure_dict(_abstract_model(config)[1])
 
 
 def build(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     plan: BatchPlan,
     mesh: Mesh,
     schedule: BatchSchedule | None = None,
@@ -262,7 +263,7 @@ def _on_one_device(fn: Callable, *trees: Any) -> Any:
     return fn(*(jax.tree.map(lambda x: x.addressable_shards[0].data, t) for t in trees))
 
 
-def check_on_mesh(config: ml_collections.ConfigDict, shape: dict[str, int]) -> None:
+def check_on_mesh(config: RunConfig, shape: dict[str, int]) -> None:
     """What the config asks of a mesh of this shape: shards that divide evenly."""
     check_mesh_divides(config, shape)
 
@@ -289,7 +290,7 @@ def train_step(
     hyper: Hyper,
     *,
     graphdef: nnx.GraphDef,
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One micro-step: gradient of the micro-batch's share of its step's loss (its weighted
     loss × K / the global batch's weight), fed to MultiSteps, whose mean over the K

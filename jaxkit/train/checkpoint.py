@@ -43,13 +43,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 
 from jaxkit.batch.mixture import stage_changes
 from jaxkit.batch.plan import Accumulation
 from jaxkit.batch.schedule import Position
-from jaxkit.config import ADDED_DEFAULTS, flatten, resumable
+from jaxkit.config import ADDED_DEFAULTS, flatten, resumable, saved_run_config
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import abstract_params, abstract_state, accumulator_layout
 from jaxkit.workdir import absolute, missing_gcs_support
 
@@ -444,7 +444,7 @@ def restore_params(
     )
     meta = _read_meta(manager, step)
     one = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    abstract = abstract_params(ml_collections.ConfigDict(meta["config"]))
+    abstract = abstract_params(saved_run_config(meta["config"]))
     if shardings is None:
         shardings = jax.tree.map(lambda _: one, abstract)
     wanted = jax.tree.map(
@@ -501,9 +501,11 @@ def _length(config: dict) -> tuple[str, int]:
     return "train.examples", int(t["examples"])
 
 
-def _check_length(saved_config: dict, position: Position, config: Any, allow_longer: bool) -> None:
+def _check_length(
+    saved_config: dict, position: Position, current: dict, allow_longer: bool
+) -> None:
     """train.steps (or train.examples) may change on a workdir only upwards, when asked."""
-    (key, saved), (wanted_key, wanted) = _length(saved_config), _length(config.to_dict())
+    (key, saved), (wanted_key, wanted) = _length(saved_config), _length(current)
     unit = key.split(".")[1]  # steps | examples
     done = position.step if key == "train.steps" else position.examples
     if wanted_key != key:
@@ -542,9 +544,10 @@ def can_continue_accumulation(saved_plan: dict, plan: Any, accumulation: Accumul
 def resume(
     checkpointer: Checkpointer,
     setup: Any,
-    config: Any,
+    config: RunConfig,
     plan_at: Callable[[dict], Any],
     *,
+    saved_as: dict,
     allow_batch_change: bool = False,
     allow_longer: bool = False,
     echo: Callable[[str], None] = print,
@@ -558,7 +561,8 @@ def resume(
     a changed train.steps unless it grows and `allow_longer`. `plan_at(meta)` is this run's
     plan at a checkpoint's position (a batch schedule's stage there). `data` (rows of
     each split and, for token files, their fingerprint) must match what the checkpoint
-    saw, where it recorded it; the config is compared first.
+    saw, where it recorded it; the config is compared first, as the run saves it
+    (`saved_as`: its config.json, the keys as the config gives them).
     """
     if not checkpointer.steps() and checkpointer.micro_step_numbered() is None:
         return None  # a new workdir
@@ -566,7 +570,7 @@ def resume(
         _check_resumable,
         checkpointer=checkpointer,
         config=config,
-        current=config.to_dict(),
+        current=saved_as,
         plan_at=plan_at,
         data=data,
         allow_batch_change=allow_batch_change,
@@ -595,7 +599,7 @@ def _check_resumable(
     meta: dict,
     *,
     checkpointer: Checkpointer,
-    config: Any,
+    config: RunConfig,
     current: dict,
     plan_at: Callable[[dict], Any],
     data: dict | None,
@@ -606,7 +610,7 @@ def _check_resumable(
     config first (another model or data source reads other data too, and the config's
     differences say why), then the data, the run's length and the global batch."""
     _check_same_run(meta, checkpointer, current, data)
-    _check_length(meta["config"], position_of(meta), config, allow_longer)
+    _check_length(meta["config"], position_of(meta), current, allow_longer)
     _check_global_batch(meta, config, plan_at(meta), allow_batch_change)
 
 
@@ -650,7 +654,7 @@ def _check_same_run(
         )
 
 
-def _check_global_batch(meta: dict, config: Any, plan: Any, allow_batch_change: bool) -> None:
+def _check_global_batch(meta: dict, config: RunConfig, plan: Any, allow_batch_change: bool) -> None:
     """The global batch may change at a resume only when asked: it trains another model."""
     old = meta["plan"]
     new_plan = plan.to_json()
@@ -662,7 +666,7 @@ def _check_global_batch(meta: dict, config: Any, plan: Any, allow_batch_change: 
             + (
                 "\nbatch.schedule gives a different global batch at this example: keep its "
                 "stages up to here (change only later ones)"
-                if config.batch.get("schedule")
+                if config.batch.schedule
                 else "\nLeave one of batch.per_device_batch_size / batch.grad_accum_steps "
                 "free (null) so it is re-derived"
             )

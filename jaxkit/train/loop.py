@@ -29,7 +29,7 @@ import ml_collections
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.plan import BatchPlan
 from jaxkit.batch.schedule import schedule_from_config
-from jaxkit.config import config_to_json, validate
+from jaxkit.config import config_to_json, run_config, validate
 from jaxkit.data import sources as data_lib
 from jaxkit.data.token_files import take_vocabulary
 from jaxkit.distributed import check_agreement, process_0_refusal
@@ -39,6 +39,7 @@ from jaxkit.plan.planning import model_json
 from jaxkit.records import wandb_log
 from jaxkit.records.metrics import RunDir
 from jaxkit.records.steps import StepInfo, StepTracker, format_summary, summarize
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import Setup, TrainState, build, check_on_mesh, with_kernel
 from jaxkit.train.checkpoint import Checkpointer, Restored, resume
 from jaxkit.train.lock import WorkdirInUseError, run_lock
@@ -95,7 +96,8 @@ def train(
     if taken is not None:
         echo(taken)
     validate(config)  # every value, before any work (the CLI has checked them already)
-    wandb_log.check(config, workdir, echo)  # a W&B project without the package: refused here
+    # a W&B project without the package: refused here
+    wandb_log.check(run_config(config, checked=True), workdir, echo)
     with _one_run(workdir, echo):  # a second run on the workdir is refused here, before any work
         return _train(
             config,
@@ -130,7 +132,7 @@ def _one_run(workdir: str | os.PathLike | None, echo: Callable[[str], None]) -> 
 
 
 def _train(
-    config: ml_collections.ConfigDict,
+    config_dict: ml_collections.ConfigDict,
     workdir: str | os.PathLike | None,
     *,
     devices: Sequence[jax.Device] | None,
@@ -140,14 +142,19 @@ def _train(
     allow_longer: bool,
     stop_after_micro_steps: int | None,
 ) -> RunResult:
-    profile = profiling(config, workdir)
+    profile = profiling(run_config(config_dict, checked=True), workdir)
     if jax.process_index() != 0:  # one voice: only process 0 prints and writes
         echo, progress = (lambda *args: None), False
     # The attention kernel these devices run, for auto: the run's config, checkpoints and
     # summary name the one that ran.
-    config = with_kernel(config, devices or jax.devices(), echo)
-    parts = _set_up(config, devices, echo)
-    checkpointer, restored = _resume(config, workdir, parts, echo, allow_batch_change, allow_longer)
+    config_dict = _with_kernel(config_dict, devices or jax.devices(), echo)
+    # What the pieces below read: the typed sections. The config as the run saves it
+    # (config.json, each checkpoint's record) keeps the keys as the config file gives them.
+    config, saved_as = run_config(config_dict, checked=True), config_to_json(config_dict)
+    parts = _set_up(config, saved_as, devices, echo)
+    checkpointer, restored = _resume(
+        config, saved_as, workdir, parts, echo, allow_batch_change, allow_longer
+    )
     tracker = StepTracker(config, parts.plan, parts.setup, None, _peak(config, parts.mesh))
     start = starting_point(config, parts.shape, parts.setup, parts.plan, restored, tracker, echo)
     saved_events = restored.meta["loop"].get("events", []) if restored else []
@@ -167,8 +174,8 @@ def _train(
     # What changed at this resume: logged once, and kept in the checkpoints saved at this
     # step, so that a later resume from one of them keeps them in the log.
     events = resume_events(restored, config, start.schedule, parts.shape) if restored else []
-    run_dir = _open_run_dir(workdir, config, start, saved_events, events, echo)
-    checkpoints = Checkpoints(checkpointer, config, parts.data_facts, start.hf_source)
+    run_dir = _open_run_dir(workdir, config, config_dict, start, saved_events, events, echo)
+    checkpoints = Checkpoints(checkpointer, config, saved_as, parts.data_facts, start.hf_source)
     t = config.train
     pieces = [
         Log(t.log_every),
@@ -220,14 +227,29 @@ class _Parts(NamedTuple):
     data_facts: dict  # what a checkpoint must be resumed on
 
 
+def _with_kernel(
+    config: ml_collections.ConfigDict, devices: Sequence[jax.Device], echo: Callable[[str], None]
+) -> ml_collections.ConfigDict:
+    """`config` with model.attention the kernel that runs on `devices` (a copy where that
+    differs from what it says: train_step.with_kernel)."""
+    typed = run_config(config, checked=True)
+    chosen = with_kernel(typed, devices, echo)
+    if chosen is typed:
+        return config
+    out = ml_collections.ConfigDict(config.to_dict())
+    out.model.attention = chosen.model.attention
+    return out
+
+
 def _set_up(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
+    saved_as: dict,
     devices: Sequence[jax.Device] | None,
     echo: Callable[[str], None],
 ) -> _Parts:
     """The mesh, the batch schedule's first plan (printed), the data and the step, checked
     to agree across processes."""
-    mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
+    mesh = mesh_lib.make_mesh(dataclasses.asdict(config.mesh), devices)
     shape = mesh_lib.mesh_shape(mesh)
     check_on_mesh(config, shape)
     schedule = schedule_from_config(config, shape)
@@ -237,7 +259,7 @@ def _set_up(
     # tokens (re-prepared data is other data).
     data_facts = data_lib.data_facts(train_source, eval_source, data_lib.input_paths(config))
     setup = build(config, plan, mesh, schedule)
-    check_agreement({"config": config_to_json(config), "plan": plan.to_json()})
+    check_agreement({"config": saved_as, "plan": plan.to_json()})
     echo(f"batch plan ({len(mesh.devices.flat)} {mesh.devices.flat[0].platform} devices):")
     echo(plan.table())
     note = getattr(train_source, "note", None)  # how token files were read, where it matters
@@ -247,7 +269,8 @@ def _set_up(
 
 
 def _resume(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
+    saved_as: dict,
     workdir: str | os.PathLike | None,
     parts: _Parts,
     echo: Callable[[str], None],
@@ -266,6 +289,7 @@ def _resume(
         parts.setup,
         config,
         plan_at,
+        saved_as=saved_as,
         allow_batch_change=allow_batch_change,
         allow_longer=allow_longer,
         echo=echo,
@@ -274,17 +298,18 @@ def _resume(
     return checkpointer, restored
 
 
-def _peak(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> peak_lib.Peak | None:
+def _peak(config: RunConfig, mesh: jax.sharding.Mesh) -> peak_lib.Peak | None:
     """The devices' peak FLOP/s behind MFU, on process 0 (only it reports)."""
     if jax.process_index() != 0:
         return None
     # A table peak in the matmuls' dtype (CPUs measure their own, in float32).
-    return peak_lib.device_peak(mesh.local_devices, config.model.get("compute_dtype", "float32"))
+    return peak_lib.device_peak(mesh.local_devices, config.model.compute_dtype)
 
 
 def _open_run_dir(
     workdir: str | os.PathLike | None,
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
+    config_dict: ml_collections.ConfigDict,
     start: Start,
     saved_events: Sequence[dict],
     events: Sequence[dict],
@@ -301,7 +326,7 @@ def _open_run_dir(
     plan_json["model"] = model_json(config, plan)
     # Opened first: a run W&B refuses leaves the run's files as they were.
     step = start.position.step
-    wandb_config = {"config": config_to_json(config), "plan": plan_json}
+    wandb_config = {"config": config_to_json(config_dict), "plan": plan_json}
     wandb_run = wandb_log.open_run(config, workdir, step, wandb_config, echo)
     if jax.process_index() != 0:
         return None
@@ -309,11 +334,11 @@ def _open_run_dir(
     run_dir = RunDir(
         workdir, resume_after_step=step, saved_events=saved_events, wandb_run=wandb_run
     )
-    run_dir.write_json("config.json", config_to_json(config))
+    run_dir.write_json("config.json", config_to_json(config_dict))
     run_dir.write_json("plan.json", plan_json)
     table = plan.table() + ("\n\n" + schedule.table() if ramped else "")
     run_dir.write_text("plan", "\n".join("    " + line for line in table.splitlines()))
-    run_dir.write_text("config", "```\n" + config.to_json_best_effort(indent=2) + "\n```")
+    run_dir.write_text("config", "```\n" + config_dict.to_json_best_effort(indent=2) + "\n```")
     for event in events:
         run_dir.log_once(event)  # not twice: the checkpoint may hold it already
     # A summary belongs to a finished run; this one is not (again, or yet).

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import jax
-import ml_collections
 import tqdm
 from etils import epath
 from jax.experimental.multihost_utils import reached_preemption_sync_point
@@ -26,12 +25,13 @@ from jax.experimental.multihost_utils import reached_preemption_sync_point
 from jaxkit.batch.noise_scale import SMALL_BATCH_ROWS, has_two_batch_sizes, samples_at
 from jaxkit.batch.plan import Accumulation, BatchPlan
 from jaxkit.batch.schedule import AUTO, BatchSchedule
-from jaxkit.config import ConfigError, config_to_json, parse_profile_steps
+from jaxkit.config import ConfigError, parse_profile_steps
 from jaxkit.data import sources as data_lib
 from jaxkit.data.prefetch import Prefetcher
 from jaxkit.plan.costs import StepPrograms
 from jaxkit.records.metrics import RunDir
 from jaxkit.records.steps import StepTracker, eval_record, format_record
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import Setup
 from jaxkit.train.checkpoint import Checkpointer
 from jaxkit.train.resume import Start
@@ -126,7 +126,7 @@ class Piece:
 class Run:
     """What the loop and its pieces share: the state in training, where it is, the outputs."""
 
-    config: ml_collections.ConfigDict
+    config: RunConfig
     start: Start  # where this attempt started
     programs: StepPrograms
     tracker: StepTracker
@@ -206,9 +206,7 @@ class Batches:
     `train.prefetch` batches ahead by a background thread; and the noise scale's small batch.
     """
 
-    def __init__(
-        self, config: ml_collections.ConfigDict, setup: Setup, source: data_lib.Source
-    ) -> None:
+    def __init__(self, config: RunConfig, setup: Setup, source: data_lib.Source) -> None:
         self.source, self.seed, self.setup = source, config.train.seed, setup
         self.normalisation = config.train.loss_normalisation
         self.fused = setup.accumulation is Accumulation.FUSED
@@ -311,7 +309,7 @@ class NewProgram(Piece):
         run.tracker.restart_clock()
 
 
-def profiling(config: ml_collections.ConfigDict, workdir: str | os.PathLike | None) -> list[Piece]:
+def profiling(config: RunConfig, workdir: str | os.PathLike | None) -> list[Piece]:
     """`train.profile_steps`' piece, if it asks for one: refused, before any work, without a
     workdir the profiler can write to."""
     steps = parse_profile_steps(config.train.profile_steps, config.train.steps)
@@ -444,12 +442,14 @@ class Checkpoints(Piece):
     def __init__(
         self,
         checkpointer: Checkpointer | None,
-        config: ml_collections.ConfigDict,
+        config: RunConfig,
+        saved_as: dict,
         data: dict,
         hf_source: dict | None = None,
     ) -> None:
+        """`saved_as`: the config as each checkpoint's record keeps it (config.json's)."""
         self.checkpointer, self.every = checkpointer, config.checkpoint.every
-        self.config, self.data = config_to_json(config), data
+        self.config, self.data = saved_as, data
         # A run from model.init_from: its source's config.json and dtypes, for an export.
         self.hf_source = {"hf_source": hf_source} if hf_source is not None else {}
         self.at, self.saved = data_lib.Position(), False  # the last save asked for, done?

@@ -16,17 +16,17 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 
 from jaxkit.batch.plan import BatchPlan, BatchPlanError
 from jaxkit.batch.schedule import AutoRamp, BatchSchedule, schedule_from_config
-from jaxkit.config import ADDED_DEFAULTS
+from jaxkit.config import ADDED_DEFAULTS, saved_run_config
 from jaxkit.data import sources as data_lib
 from jaxkit.hf import load as hf_load
 from jaxkit.models import contract
-from jaxkit.models.layers import lm_option
+from jaxkit.models.llama import llama_model
 from jaxkit.records.metrics import truncate_metrics
 from jaxkit.records.steps import StepTracker, summarize
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import Setup, TrainState
 from jaxkit.train.checkpoint import Restored, position_of
 from jaxkit.workdir import as_path, write_text_atomic
@@ -48,7 +48,7 @@ class Start:
 
 
 def starting_point(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     shape: dict[str, int],
     setup: Setup,
     plan: BatchPlan,
@@ -69,13 +69,13 @@ def starting_point(
         hf_source = restored.meta.get("hf_source")
         if hf_load.source_dir(config) is not None:
             echo(
-                f"model.init_from={config.model.init_from} is not read: the checkpoint at "
+                f"model.init_from={llama_model(config).init_from} is not read: the checkpoint at "
                 f"step {position.step} holds the params and the model's shape"
             )
     elif (directory := hf_load.source_dir(config)) is not None:
         state = initial_state(config, setup)
-        hf_source = hf_load.source_record(directory, config.model)
-        echo(f"params from {config.model.init_from}; the optimizer state starts fresh")
+        hf_source = hf_load.source_record(directory, llama_model(config))
+        echo(f"params from {llama_model(config).init_from}; the optimizer state starts fresh")
     else:
         state = setup.init(jax.random.key(config.train.seed))
     if schedule.plan_at(position.examples) != plan:
@@ -88,9 +88,7 @@ def starting_point(
     return Start(state, position, schedule, setup, ramp, plan, hf_source)
 
 
-def saved_schedule(
-    config: ml_collections.ConfigDict, shape: dict[str, int], meta: dict
-) -> BatchSchedule:
+def saved_schedule(config: RunConfig, shape: dict[str, int], meta: dict) -> BatchSchedule:
     """This config's schedule from a checkpoint's position on, after the stages the run
     trained in before it (and an auto ramp's decisions) as the checkpoint recorded them."""
     at = position_of(meta)
@@ -98,12 +96,12 @@ def saved_schedule(
     return schedule_from_config(config, shape, saved, (at.step, at.examples))
 
 
-def saved_plan(config: ml_collections.ConfigDict, shape: dict[str, int], meta: dict) -> BatchPlan:
+def saved_plan(config: RunConfig, shape: dict[str, int], meta: dict) -> BatchPlan:
     """This config's plan at a checkpoint's position (a batch schedule's stage there)."""
     return saved_schedule(config, shape, meta).plan_at(position_of(meta).examples)
 
 
-def _legacy_history(meta: dict, config: ml_collections.ConfigDict) -> dict:
+def _legacy_history(meta: dict, config: RunConfig) -> dict:
     """The batch history of a checkpoint saved before batch schedules: one fixed batch."""
     plan, at = meta["plan"], position_of(meta)
     first = {
@@ -121,7 +119,7 @@ def _legacy_history(meta: dict, config: ml_collections.ConfigDict) -> dict:
 
 def resume_events(
     restored: Restored,
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     schedule: BatchSchedule,
     shape: dict[str, int],
 ) -> list[dict]:
@@ -130,7 +128,7 @@ def resume_events(
     plan = schedule.plan_at(at.examples)
     saved = meta["loop"].get("batch_schedule") or _legacy_history(meta, config)
     try:  # the saved config's schedule from here on: what the run would have done
-        old = ml_collections.ConfigDict(meta["config"])
+        old = saved_run_config(meta["config"])
         before = schedule_from_config(
             old, meta["plan"]["mesh_shape"], saved, (at.step, at.examples)
         )
@@ -172,14 +170,15 @@ def resume_events(
         )
     saved_t, t = meta["config"]["train"], config.train
     key = "steps" if t.steps is not None else "examples"
-    if saved_t.get(key) != t[key]:  # --allow-longer: the schedule is re-laid
+    wanted = t.steps if key == "steps" else t.examples
+    if saved_t.get(key) != wanted:  # --allow-longer: the schedule is re-laid
         events.append(
             {
                 "event": "steps_change",
                 "step": at.step,
                 "examples_seen": at.examples,
                 f"from_{key}": saved_t.get(key),
-                f"to_{key}": t[key],
+                f"to_{key}": wanted,
                 **rates,
             }
         )
@@ -206,9 +205,7 @@ def resume_events(
 _LOGGED_OPTIONS = ("remat", "attention")
 
 
-def _option_events(
-    meta: dict, config: ml_collections.ConfigDict, at: data_lib.Position
-) -> list[dict]:
+def _option_events(meta: dict, config: RunConfig, at: data_lib.Position) -> list[dict]:
     """A `{option}_change` record for each logged LM option the resume changes; a run saved
     before an option's key ran as its declared `added` value."""
     if not contract(config).READS_LM_OPTIONS:
@@ -217,7 +214,7 @@ def _option_events(
     events = []
     for option in _LOGGED_OPTIONS:
         saved = saved_model.get(option, ADDED_DEFAULTS[f"model.{option}"])
-        now = lm_option(config.model, option)
+        now = getattr(config.model, option)  # an LM option every model section holds
         if saved != now:
             events.append(
                 {
@@ -242,7 +239,7 @@ def _course(schedule: BatchSchedule) -> tuple:
 
 
 def finished_summary(
-    config: ml_collections.ConfigDict,
+    config: RunConfig,
     start: Start,
     workdir: str | os.PathLike,
     meta: dict,
@@ -317,7 +314,7 @@ def _trained_schedule(schedule: BatchSchedule, steps: int) -> dict | None:
     return laid | {"stages": stages}
 
 
-def initial_state(config: ml_collections.ConfigDict, setup: Setup) -> TrainState:
+def initial_state(config: RunConfig, setup: Setup) -> TrainState:
     """The train state of a fresh run from model.init_from's weights: params cast to
     model.param_dtype (bfloat16 to float32 is exact), a fresh optimizer state, micro-step 0,
     each placed as setup.state_shardings says."""
@@ -331,10 +328,9 @@ def initial_state(config: ml_collections.ConfigDict, setup: Setup) -> TrainState
     assert directory is not None
     hf_load.check_architecture(config, directory)
     target = abstract_state(setup)
-    params = hf_load.load_params(
-        directory, config.model, target.params, setup.state_shardings.params
-    )
-    hf_load.check_finite(directory, config.model, params)
+    model = llama_model(config)  # model.init_from is a Llama's key
+    params = hf_load.load_params(directory, model, target.params, setup.state_shardings.params)
+    hf_load.check_finite(directory, model, params)
     init_opt: Callable[[Any], Any] = jax.jit(
         lambda p: setup.tx.init(float32(p)), out_shardings=setup.state_shardings.opt_state
     )
