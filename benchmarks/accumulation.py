@@ -19,6 +19,7 @@ benchmarks/results/accumulation_memory.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 
@@ -39,12 +40,13 @@ import jax
 jax.config.update("jax_num_cpu_devices", args.host_devices)
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import load_global_batch, load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.plan import costs
 from jaxkit.plan.hlo import bytes_per_call, collectives, runs_per_call
 from jaxkit.plan.targets import parse_target, target_devices
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import build
 from jaxkit.train.loop import train
 
@@ -73,8 +75,8 @@ def lm(mode: str, accum: int, steps: int):
     return config
 
 
-def all_reduced_bytes_per_step(config) -> tuple[int, int]:
-    mesh = make_mesh(config.mesh.to_dict())
+def all_reduced_bytes_per_step(config: RunConfig) -> tuple[int, int]:
+    mesh = make_mesh(dataclasses.asdict(config.mesh))
     plan = plan_from_config(config, mesh_shape(mesh))
     setup = build(config, plan, mesh)
     source, _ = make_sources(config)
@@ -96,8 +98,9 @@ def memory_rows(platform: str, devices) -> list[dict]:
     for mode in ("multisteps", "fused"):
         config = load_config("lm_tiny")
         apply_overrides(config, [*WIDE, *MESHES[platform], f"train.accumulation={mode}"])
-        splits = costs.enumerate_splits(config, [len(devices)])
-        for split in costs.with_costs(config, splits, devices):
+        run = run_config(config)
+        splits = costs.enumerate_splits(run, [len(devices)])
+        for split in costs.with_costs(run, splits, devices):
             cost = split.cost
             rows.append(
                 {
@@ -155,7 +158,7 @@ def main() -> None:
     for k in (1, 4, 16):
         for mode in ("multisteps", "fused"):
             config = lm(mode, k, args.steps)
-            ops, nbytes = all_reduced_bytes_per_step(config)
+            ops, nbytes = all_reduced_bytes_per_step(run_config(config))
             result = train(config, progress=False, echo=lambda *a: None)
             step_s = result.summary["median_step_time_s"]
             rows.append(

@@ -19,6 +19,7 @@ Writes benchmarks/results/attention.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -42,7 +43,7 @@ jax.config.update("jax_platforms", "cpu")
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.plan import costs
 from jaxkit.plan.targets import parse_target, target_devices
 
@@ -57,8 +58,9 @@ def main() -> None:
         apply_overrides(
             config, [f"model.attention={kernel}", "model.remat=none", "model.scan_layers=true"]
         )
-        split = costs.split_config(config, args.batch, 1)
-        shape = mesh_lib.resolve_mesh_shape(split.mesh.to_dict(), len(devices))
+        run = run_config(config)
+        split = costs.split_config(run, args.batch, 1)
+        shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(split.mesh), len(devices))
         start = time.perf_counter()
         try:
             cost = costs.step_cost(split, plan_from_config(split, shape), devices)
@@ -77,7 +79,7 @@ def main() -> None:
             text = costs.format_bytes(memory) if memory is not None else "refused (HBM)"
             print(f"  {kernel}: search b={b}: {text}", flush=True)
 
-        found = costs.max_per_device_batch(config, devices, budget, progress=progress)
+        found = costs.max_per_device_batch(run, devices, budget, progress=progress)
         rows.append(
             {
                 "attention": kernel,

@@ -12,6 +12,7 @@ Writes benchmarks/results/checkpoint_io.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -30,18 +31,19 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", args.host_devices)
 
-from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.batch.schedule import Position, plan_from_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import load_micro_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.step.train_step import build
-from jaxkit.train.checkpoint import Checkpointer
+from jaxkit.train.checkpoint import STEP_PREFIX, Checkpointer
 
 
 def measure(name: str, overrides: list[str], params_only: bool) -> dict:
-    config = load_config("lm_tiny")
-    apply_overrides(config, overrides)
-    mesh = make_mesh(config.mesh.to_dict())
+    config_dict = load_config("lm_tiny")
+    apply_overrides(config_dict, overrides)
+    config = run_config(config_dict)
+    mesh = make_mesh(dataclasses.asdict(config.mesh))
     setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
     state = setup.init(jax.random.key(0))
     if not params_only:  # a few steps, so the optimizer moments are not all zeros
@@ -62,11 +64,11 @@ def measure(name: str, overrides: list[str], params_only: bool) -> dict:
         ckpt = Checkpointer(pathlib.Path(tmp) / "checkpoints", keep=args.saves, warn=print)
         for i in range(args.saves):
             start = time.perf_counter()
-            ckpt.save(i + 1, tree, {"note": name})
+            ckpt.save(Position(step=i + 1), tree, {"note": name})
             blocking.append(time.perf_counter() - start)
             ckpt.wait()
             total.append(time.perf_counter() - start)
-            step_dir = pathlib.Path(tmp) / "checkpoints" / str(i + 1)
+            step_dir = pathlib.Path(tmp) / "checkpoints" / f"{STEP_PREFIX}_{i + 1}"
             sizes.append(sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file()))
         ckpt.close()
     row = {

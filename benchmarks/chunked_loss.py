@@ -24,6 +24,7 @@ Writes benchmarks/results/chunked_loss.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -49,27 +50,28 @@ jax.config.update("jax_platforms", "cpu")
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import load_config
+from jaxkit.config import load_config, run_config
 from jaxkit.plan import costs
 from jaxkit.plan.targets import parse_target, target_devices
+from jaxkit.sections import RunConfig
 
 
 def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-def model_config(chunk: int):
+def model_config(chunk: int) -> RunConfig:
     config = load_config(args.config)
     config.model.scan_layers = True
     config.model.remat = "none"
     config.model.loss_chunk_tokens = chunk
-    return config
+    return run_config(config)
 
 
 def point(chunk: int, b: int, devices, budget: int) -> dict:
     """One compile of the K=1 step at per-device batch `b`: its memory, or the refusal."""
     split = costs.split_config(model_config(chunk), b, 1)
-    shape = mesh_lib.resolve_mesh_shape(split.mesh.to_dict(), len(devices))
+    shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(split.mesh), len(devices))
     start = time.perf_counter()
     row: dict = {"loss_chunk_tokens": chunk, "per_device_batch_size": b}
     try:

@@ -40,17 +40,18 @@ args = parser.parse_args()
 
 # lm_125m's step compiled as the loop compiles it, in a process of its own; prints the cost.
 COMPILE_ONLY = """
-import json, sys, jax
+import dataclasses, json, sys, jax
 jax.config.update("jax_num_cpu_devices", 8)
 from jaxkit.plan import compile_cache, costs
 from jaxkit import mesh as mesh_lib
 compile_cache.enable()
 from jaxkit.batch.schedule import schedule_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.step.train_step import build
-config = load_config(sys.argv[1])
-apply_overrides(config, sys.argv[2:])
-mesh = mesh_lib.make_mesh(config.mesh.to_dict(), jax.devices())
+config_dict = load_config(sys.argv[1])
+apply_overrides(config_dict, sys.argv[2:])
+config = run_config(config_dict)
+mesh = mesh_lib.make_mesh(dataclasses.asdict(config.mesh), jax.devices())
 schedule = schedule_from_config(config, mesh_lib.mesh_shape(mesh))
 setup = build(config, schedule.first, mesh, schedule)
 _, cost = costs.compile_setup_step(config, schedule.first, setup)

@@ -25,6 +25,7 @@ Writes benchmarks/results/compile_depth.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -51,38 +52,39 @@ jax.config.update("jax_num_cpu_devices", args.host_devices)
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import load_config
+from jaxkit.config import load_config, run_config
 from jaxkit.plan import costs
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import build
 from jaxkit.train.checkpoint import abstract_state
 
 
-def point_config(num_layers: int, scan: bool):
+def point_config(num_layers: int, scan: bool) -> RunConfig:
     config = load_config(args.config)
     config.model.num_layers = num_layers
     config.model.scan_layers = scan
     config.model.remat = args.remat
     config.data.seq_len = args.seq_len
-    return costs.split_config(config, per_device_batch_size=1, grad_accum_steps=1)
+    return costs.split_config(run_config(config), per_device_batch_size=1, grad_accum_steps=1)
 
 
-def plan_of(config, devices):
-    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+def plan_of(config: RunConfig, devices):
+    shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), len(devices))
     return plan_from_config(config, shape)
 
 
-def lower_seconds(config, devices) -> float:
+def lower_seconds(config: RunConfig, devices) -> float:
     """Trace and lower the step (no XLA compile): the front end's share of compile_s."""
     plan = plan_of(config, devices)
     start = time.perf_counter()
-    setup = build(config, plan, mesh_lib.make_mesh(config.mesh.to_dict(), devices))
+    setup = build(config, plan, mesh_lib.make_mesh(dataclasses.asdict(config.mesh), devices))
     state = abstract_state(setup)
     batch = costs.abstract_batch(config, plan, setup)
     setup.step.lower(state, batch, costs.abstract_hyper(setup))
     return time.perf_counter() - start
 
 
-def compile_point(config, devices) -> tuple[costs.StepCost, float]:
+def compile_point(config: RunConfig, devices) -> tuple[costs.StepCost, float]:
     """The step's cost, and the process CPU seconds of the whole step_cost call (every
     thread; a little more than the compile: the optimizer update's lowering and the HLO
     read for FLOPs too). CPU seconds hardly move with a neighbour's load; wall seconds do."""

@@ -89,13 +89,15 @@ from flax import nnx
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import load_config
+from jaxkit.config import load_config, run_config
 from jaxkit.data.sources import load_micro_batch, make_sources
 from jaxkit.models import build_model
+from jaxkit.models.lm import lm_seq_len
 from jaxkit.plan import costs
 from jaxkit.plan.flops import model_flops_per_example
 from jaxkit.plan.peak import device_peak, table_peak
 from jaxkit.records.steps import above_the_peak
+from jaxkit.sections import RunConfig
 from jaxkit.step.optimizer import Hyper
 from jaxkit.step.train_step import build, check_on_mesh, with_kernel
 
@@ -143,12 +145,12 @@ def block(tree) -> None:
 # ---------------------------------------------------------------- 1. kit against hand ---
 
 
-def hand_loop(config, params, device, lr: float):
+def hand_loop(config: RunConfig, params, device, lr: float):
     """A plain jit step over the same model: (params, opt_state) donated, no MultiSteps."""
     with nnx.use_eager_sharding(False):  # the structure only: the params are the kit's
         graphdef = nnx.split(nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0))))[0]
     o = config.optimizer
-    scanned = bool(config.model.get("scan_layers", False))
+    scanned = config.model.scan_layers
 
     def matrices(tree):  # decay matrices only; a scanned layer axis does not make one
         def is_matrix(path, p):
@@ -191,10 +193,10 @@ def timed_window(run_step, state, batches):
     return state, seconds, [float(x) for x in losses]
 
 
-def compare(config, device, peak: float) -> dict:
+def compare(config: RunConfig, device, peak: float) -> dict:
     b = args.per_device_batch or (4 if args.small else 16)
     config = costs.split_config(config, b, 1)
-    mesh = mesh_lib.make_mesh(config.mesh.to_dict(), [device])
+    mesh = mesh_lib.make_mesh(dataclasses.asdict(config.mesh), [device])
     shape = mesh_lib.mesh_shape(mesh)
     check_on_mesh(config, shape)
     plan = plan_from_config(config, shape)
@@ -233,7 +235,7 @@ def compare(config, device, peak: float) -> dict:
         f"{time.perf_counter() - start:.1f} s",
         flush=True,
     )
-    tokens = plan.micro_batch_size * config.data.seq_len
+    tokens = plan.micro_batch_size * lm_seq_len(config)
     flops = model_flops_per_example(config) * plan.micro_batch_size
     kit_times, hand_times, ratios = [], [], []
     kit_losses, hand_losses = list(kit_warm), list(hand_warm)
@@ -307,7 +309,7 @@ def peak_warning(kit: dict, peak_source: str) -> list[str]:
 # --------------------------------------------------- 2. planner against measured splits ---
 
 
-def time_split(config, split: costs.Split, setup, program, device) -> float:
+def time_split(config: RunConfig, split: costs.Split, setup, program, device) -> float:
     """Seconds per optimizer step (K micro-steps) of `split`, after one warm-up step."""
     plan = split.plan
     source, _ = make_sources(config)
@@ -332,10 +334,10 @@ def time_split(config, split: costs.Split, setup, program, device) -> float:
     return (time.perf_counter() - start) / args.split_steps
 
 
-def splits(config, device, peak: float) -> dict:
+def splits(config: RunConfig, device, peak: float) -> dict:
     policies = [p.strip() for p in args.split_remat.split(",") if p.strip()]
     wanted = {int(b) for b in args.split_batches.split(",") if b.strip()}
-    shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), 1)
+    shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), 1)
     check_on_mesh(config, shape)
     found = costs.enumerate_splits(config, [1])
     found = [s for s in found if not wanted or s.plan.per_device_batch_size in wanted]
@@ -352,7 +354,7 @@ def splits(config, device, peak: float) -> dict:
         + (costs.format_bytes(budget) if budget else "none (the device reports no limit)"),
         flush=True,
     )
-    mesh = mesh_lib.make_mesh(config.mesh.to_dict(), [device])
+    mesh = mesh_lib.make_mesh(dataclasses.asdict(config.mesh), [device])
     costed, programs = [], {}
     for policy in policies:
         for s in found:
@@ -405,7 +407,7 @@ def splits(config, device, peak: float) -> dict:
                 print(f"  remat={s.remat} b={p.per_device_batch_size}: out of memory at run")
             else:
                 row["optimizer_step_s"] = t
-                row["tokens_per_s"] = g * config.data.seq_len / t
+                row["tokens_per_s"] = g * lm_seq_len(config) / t
                 row["mfu"] = model_flops_per_example(cfg) * g / t / peak
                 print(
                     f"  remat={s.remat:<4} b={p.per_device_batch_size:<4} "
@@ -442,10 +444,10 @@ def splits(config, device, peak: float) -> dict:
     return out
 
 
-def resolved_config(device: jax.Device):
+def resolved_config(device: jax.Device) -> RunConfig:
     """The config both loops run on `device`: auto resolved as a run there resolves it; a
     kernel it cannot run is refused (benchmarks/gpu_suite.py's first stage calls this)."""
-    return with_kernel(base_config(), [device])
+    return with_kernel(run_config(base_config()), [device])
 
 
 def main() -> None:
@@ -456,7 +458,7 @@ def main() -> None:
         f"{args.config}{' (--small)' if args.small else ''} on 1 x {device.device_kind} "
         f"({device.platform}); remat {config.model.remat}, attention "
         f"{config.model.attention}, scan_layers "
-        f"{config.model.get('scan_layers', False)}, compute {config.model.compute_dtype}; "
+        f"{config.model.scan_layers}, compute {config.model.compute_dtype}; "
         f"peak {peak / 1e12:.3g} TFLOP/s ({peak_source})",
         flush=True,
     )
@@ -466,7 +468,7 @@ def main() -> None:
         "overrides": SMALL if args.small else {},
         "remat": config.model.remat,
         "attention": config.model.attention,
-        "scan_layers": bool(config.model.get("scan_layers", False)),
+        "scan_layers": config.model.scan_layers,
         "seq_len": config.data.seq_len,
         "device_kind": device.device_kind,
         "platform": device.platform,

@@ -119,7 +119,7 @@ def smoke(dry_run: bool) -> dict:
     """One optimizer step of the kit on one device of this jax; raises if it cannot."""
     import jax
 
-    from jaxkit.config import apply_overrides, load_config
+    from jaxkit.config import apply_overrides, load_config, run_config
     from jaxkit.step.train_step import with_kernel
     from jaxkit.train.loop import train
 
@@ -132,7 +132,7 @@ def smoke(dry_run: bool) -> dict:
     small += ["train.steps=1", "train.eval_every=0", "train.eval_examples=4", "mesh.data=1"]
     apply_overrides(config, small)
     device = jax.devices()[0]
-    kernel = with_kernel(config, [device], warn=lambda *a: None).model.attention
+    kernel = with_kernel(run_config(config), [device], warn=lambda *a: None).model.attention
     result = train(config, None, devices=[device], progress=False, echo=lambda *a: None)
     loss = [r for r in result.records if "loss" in r][-1]["loss"]  # the eval's follows
     # The hand loop's script imports, and resolves its config, on this jax (its --small:

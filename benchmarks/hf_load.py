@@ -17,6 +17,7 @@ Writes benchmarks/results/hf_load.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -26,14 +27,14 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
-import ml_collections
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROCESSES, DEVICES_PER_PROCESS = 2, 4
 # TinyLlama-1.1B's config.json, as names.hf_config_from_model writes it from these keys.
-MODEL = {
+MODEL: dict[str, Any] = {
     "kind": "llama",
     "vocab_size": 32000,
     "d_model": 2048,
@@ -56,17 +57,18 @@ def write_checkpoint(directory: pathlib.Path) -> None:
     import safetensors.numpy
 
     from jaxkit.hf import names
+    from jaxkit.sections import LlamaModel
 
     if (directory / "model.safetensors.index.json").is_file():
         return
     directory.mkdir(parents=True, exist_ok=True)
-    m = ml_collections.ConfigDict(MODEL)
+    m = LlamaModel(**MODEL)
     rng = np.random.default_rng(0)
-    groups: dict[str, dict[str, np.ndarray]] = {}
+    groups: dict[str, dict[str, names.HfTensor]] = {}
     for t in names.hf_tensors(m):
         file = "model-rest.safetensors" if t.layer is None else f"model-{t.layer:03d}.safetensors"
         groups.setdefault(file, {})[t.name] = t
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for file, tensors in groups.items():
         arrays = {
             name: (rng.standard_normal(t.shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
@@ -112,23 +114,25 @@ def worker(process_id: int, port: int, directory: pathlib.Path) -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", PROCESSES, process_id)
 
     from jaxkit.batch.schedule import plan_from_config
-    from jaxkit.config import apply_overrides, load_config
+    from jaxkit.config import apply_overrides, load_config, run_config
     from jaxkit.hf import load as hf_load
     from jaxkit.mesh import make_mesh, mesh_shape
+    from jaxkit.models.llama import llama_model
     from jaxkit.step.train_step import abstract_state, build
 
     config = load_config("llama_tiny")
     # llama_tiny's options (float32 params, unrolled blocks); the sizes are config.json's.
     apply_overrides(config, [f"model.init_from=hf:{directory}", "mesh.data=1", "mesh.fsdp=8"])
     hf_load.apply_init_from(config)
-    mesh = make_mesh(config.mesh.to_dict())
-    setup = build(config, plan_from_config(config, mesh_shape(mesh)), mesh)
+    run = run_config(config)
+    mesh = make_mesh(dataclasses.asdict(run.mesh))
+    setup = build(run, plan_from_config(run, mesh_shape(mesh)), mesh)
     shapes = abstract_state(setup).params
     sampler = Sampler()
     before_anon, before_rss = _status_kib("RssAnon"), _status_kib("VmRSS")
     sampler.start()
     start = time.perf_counter()
-    params = hf_load.load_params(directory, config.model, shapes, setup.state_shardings.params)
+    params = hf_load.load_params(directory, llama_model(run), shapes, setup.state_shardings.params)
     jax.block_until_ready(params)
     load_s = time.perf_counter() - start
     sampler.done.set()

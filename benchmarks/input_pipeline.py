@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import pathlib
 import platform
@@ -55,9 +56,10 @@ jax.config.update("jax_num_cpu_devices", args.host_devices)
 import numpy as np
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data import sources as data_lib
 from jaxkit.mesh import make_mesh, mesh_shape
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import build
 from jaxkit.train import loop as loop_lib
 
@@ -118,9 +120,9 @@ def config_for(path: str | dict[str, str], prefetch: int):
     return config
 
 
-def loader_ms(config, delay_s: float, reads: int = 30) -> float:
+def loader_ms(config: RunConfig, delay_s: float, reads: int = 30) -> float:
     """Median ms to read and place one micro-batch (rows, weights, device transfer)."""
-    mesh = make_mesh(config.mesh.to_dict())
+    mesh = make_mesh(dataclasses.asdict(config.mesh))
     plan = plan_from_config(config, mesh_shape(mesh))
     setup = build(config, plan, mesh)
     source = Slow(data_lib.make_sources(config)[0], delay_s)
@@ -135,13 +137,13 @@ def loader_ms(config, delay_s: float, reads: int = 30) -> float:
     return 1e3 * statistics.median(times)
 
 
-def loader_rates(configs: dict[str, object], reads: int) -> dict[str, dict]:
+def loader_rates(configs: dict[str, RunConfig], reads: int) -> dict[str, dict]:
     """Rows per second of each config's loader, the configs read in turn (a busy machine
     slows them alike): `loader` is a micro-batch's load_micro_batch (rows found, read,
     weighted, placed on the devices, as the loop asks), `host` the same without placing."""
     built = {}
     for name, config in configs.items():
-        mesh = make_mesh(config.mesh.to_dict())
+        mesh = make_mesh(dataclasses.asdict(config.mesh))
         plan = plan_from_config(config, mesh_shape(mesh))
         with contextlib.redirect_stdout(None):  # foreign token files' one warning line each
             source = data_lib.make_sources(config)[0]
@@ -172,7 +174,10 @@ def loader_rates(configs: dict[str, object], reads: int) -> dict[str, dict]:
 def mixture_part(one: str, three: dict[str, str]) -> dict:
     """The three-source mixture against one source: loader rows/s, and training with
     prefetch 2 (examples/s, the loop's wait for data)."""
-    configs = {"one source": config_for(one, 0), "mixture of 3": config_for(three, 0)}
+    configs = {
+        "one source": run_config(config_for(one, 0)),
+        "mixture of 3": run_config(config_for(three, 0)),
+    }
     rates = loader_rates(configs, args.reads)
     ratio = {
         kind: rates["mixture of 3"][kind] / rates["one source"][kind] for kind in ("loader", "host")
@@ -245,7 +250,7 @@ def main() -> None:
         rows = []
         for delay_ms in delays:
             delay_s = delay_ms / 1e3
-            load = loader_ms(config_for(path, 0), delay_s)
+            load = loader_ms(run_config(config_for(path, 0)), delay_s)
             inline = run(config_for(path, 0), delay_s)
             ahead = run(config_for(path, 2), delay_s)
             row = {

@@ -31,7 +31,7 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 1)
 
-from jaxkit.config import load_config
+from jaxkit.config import load_config, run_config
 from jaxkit.plan import costs
 from jaxkit.records import rss
 
@@ -49,7 +49,7 @@ for b in (int(x) for x in args.batches.split(",")):
     )
 
 budget = costs.parse_bytes(args.budget)
-search = costs.max_per_device_batch(config, jax.devices(), budget)
+search = costs.max_per_device_batch(run_config(config), jax.devices(), budget)
 check = rss.measure_in_subprocess(config.to_dict(), search.per_device_batch_size, devices=1)
 results["search"] = {
     "budget_bytes": budget,

@@ -30,6 +30,7 @@ keeps what it finished; --append adds searches to the file's, skipping those it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -68,9 +69,10 @@ jax.config.update("jax_num_cpu_devices", args.host_devices)
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import load_config
+from jaxkit.config import load_config, run_config
 from jaxkit.plan import costs
 from jaxkit.plan.targets import parse_target, target_devices
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import check_on_mesh
 
 
@@ -78,11 +80,11 @@ def split_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def model_config(name: str):
+def model_config(name: str) -> RunConfig:
     config = load_config(name)
     if not args.no_scan:
         config.model.scan_layers = True
-    return config
+    return run_config(config)
 
 
 def slice_of(name: str) -> tuple[str, list, int | None, str]:
@@ -94,10 +96,10 @@ def slice_of(name: str) -> tuple[str, list, int | None, str]:
     return name, list(target_devices(target)), target.generation.hbm_bytes, target.describe()
 
 
-def point(config, b: int, devices, budget: int | None) -> dict:
+def point(config: RunConfig, b: int, devices, budget: int | None) -> dict:
     """One compile of the K=1 step at per-device batch `b`: its cost, or the refusal."""
     split = costs.split_config(config, b, 1)
-    shape = mesh_lib.resolve_mesh_shape(split.mesh.to_dict(), len(devices))
+    shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(split.mesh), len(devices))
     check_on_mesh(split, shape)
     start = time.perf_counter()
     try:
@@ -196,7 +198,7 @@ def search(results: dict) -> None:
         print(f"\nsearch on {described}", flush=True)
         for model in models:
             config = model_config(model)
-            shape = mesh_lib.resolve_mesh_shape(config.mesh.to_dict(), len(devices))
+            shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), len(devices))
             check_on_mesh(config, shape)
             for policy in policies:
                 if (name, model, policy) in done:

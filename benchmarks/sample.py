@@ -46,10 +46,12 @@ import numpy as np
 from flax import nnx
 
 from jaxkit import mesh as mesh_lib
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.generate import sampling
 from jaxkit.models import build_model, layers
 from jaxkit.models.kv_cache import Cache
+from jaxkit.models.lm import lm_model, lm_seq_len
+from jaxkit.sections import RunConfig
 
 PROMPT = b"def main"  # 8 bytes: a prompt bucket of 16
 TARGET_NEW_TOKENS = 1024
@@ -85,18 +87,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_config(name: str, small: bool):
+def model_config(name: str, small: bool) -> RunConfig:
     config = load_config(name)
     apply_overrides(config, SMALL if small else [])
-    return config
+    return run_config(config)
 
 
-def samplers(config, devices: list) -> tuple:
+def samplers(config: RunConfig, devices: list) -> tuple:
     """(the cache's Sampler, the recomputed path's) on the same random-init params."""
     with nnx.use_eager_sharding(False):
         model = build_model(config, nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    mesh = mesh_lib.make_mesh(dict(config.mesh), devices)
+    mesh = mesh_lib.make_mesh(dataclasses.asdict(config.mesh), devices)
     cached = sampling.Sampler(config, mesh, params)
     recomputed = sampling.Sampler(config, mesh, params)
     # What a model of your own declares: no cache, the same position bound.
@@ -171,11 +173,13 @@ def leading_agreement(a: list[list[int]], b: list[list[int]]) -> int:
     return min(agree)
 
 
-def point(name: str, config, cached, recomputed, new: int, args: argparse.Namespace) -> dict:
+def point(
+    name: str, config: RunConfig, cached, recomputed, new: int, args: argparse.Namespace
+) -> dict:
     prompts = [list(PROMPT)] * args.rows
     cache = timed(cached, prompts, new, args.repeats)
     recompute = timed(recomputed, prompts, new, args.recompute_repeats)
-    m = config.model
+    m = lm_model(config)
     return {
         "config": name,
         "model": f"{m.kind}, d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} heads",
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         config = model_config(name, args.small)
         cached, recomputed = samplers(config, devices)
         # lm_tiny's learned positions end at data.seq_len, prompt included.
-        news = args.new_tokens if name == "llama_tiny" else [config.data.seq_len - len(PROMPT)]
+        news = args.new_tokens if name == "llama_tiny" else [lm_seq_len(config) - len(PROMPT)]
         for new in news:
             points.append(point(name, config, cached, recomputed, new, args))
             p = points[-1]

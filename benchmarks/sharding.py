@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -59,11 +60,12 @@ jax.config.update("jax_num_cpu_devices", args.host_devices)  # used where there 
 
 from jaxkit.batch.noise_scale import SMALL_BATCH_ROWS
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import BASE_KEYS, apply_overrides, load_config
+from jaxkit.config import BASE_KEYS, apply_overrides, load_config, run_config
 from jaxkit.data.sources import load_micro_batch, load_small_batch, make_sources
 from jaxkit.mesh import make_mesh, mesh_shape
 from jaxkit.plan import costs
 from jaxkit.plan.hlo import collectives
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import build
 from jaxkit.train.loop import train
 
@@ -117,9 +119,9 @@ def config_for(model: str, layout: str, mode: str, steps: int):
     return config
 
 
-def collectives_per_step(config) -> dict[str, int]:
+def collectives_per_step(config: RunConfig) -> dict[str, int]:
     """'kind across axes' -> executions per optimizer step, from the compiled step."""
-    mesh = make_mesh(config.mesh.to_dict(), DEVICES)
+    mesh = make_mesh(dataclasses.asdict(config.mesh), DEVICES)
     plan = plan_from_config(config, mesh_shape(mesh))
     setup = build(config, plan, mesh)
     compiled, cost = costs.compile_setup_step(config, plan, setup)
@@ -138,10 +140,10 @@ def collectives_per_step(config) -> dict[str, int]:
 EVERY = next(k.default for k in BASE_KEYS if k.name == "train.noise_scale_every")
 
 
-def noise_scale_share(config) -> dict:
+def noise_scale_share(config: RunConfig) -> dict:
     """The noise scale's one-row gradient against an optimizer step (K MultiSteps calls),
     timed in turn, each to completion; medians, and its share of a step that samples."""
-    mesh = make_mesh(config.mesh.to_dict(), DEVICES)
+    mesh = make_mesh(dataclasses.asdict(config.mesh), DEVICES)
     plan = plan_from_config(config, mesh_shape(mesh))
     setup = build(config, plan, mesh)
     step, _ = costs.compile_setup_step(config, plan, setup)
@@ -191,7 +193,8 @@ def main() -> None:
             for mode in ("multisteps", "fused")
         }
         found = {
-            key: {"model": model, "layout": key[0], "mode": key[1]} | collectives_per_step(c)
+            key: {"model": model, "layout": key[0], "mode": key[1]}
+            | collectives_per_step(run_config(c))
             for key, c in configs.items()
         }
         rates: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
@@ -227,7 +230,7 @@ def main() -> None:
                 flush=True,
             )
         for layout in LAYOUTS if not args.no_run else ():
-            share = noise_scale_share(config_for(model, layout, "multisteps", steps))
+            share = noise_scale_share(run_config(config_for(model, layout, "multisteps", steps)))
             rows.append({"model": model, "layout": layout, "noise_scale": share})
             print(
                 f"{model:>7} {layout:>6} noise scale: one-row gradient "

@@ -19,6 +19,7 @@ Writes benchmarks/results/state_memory.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -41,7 +42,7 @@ jax.config.update("jax_platforms", "cpu")
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.plan import format_table
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.plan import costs
 from jaxkit.plan.targets import parse_target, target_devices
 from jaxkit.step.train_step import abstract_state, build
@@ -61,10 +62,11 @@ def split(mode: str, global_batch: int, devices: list) -> dict:
             f"batch.per_device_batch_size={args.rows}",
         ],
     )
-    mesh = mesh_lib.make_mesh(config.mesh.to_dict(), devices)
-    plan = plan_from_config(config, mesh_lib.mesh_shape(mesh))
-    params = mesh_lib.bytes_per_device(abstract_state(build(config, plan, mesh)).params)
-    cost = costs.step_cost(config, plan, devices)
+    run = run_config(config)
+    mesh = mesh_lib.make_mesh(dataclasses.asdict(run.mesh), devices)
+    plan = plan_from_config(run, mesh_lib.mesh_shape(mesh))
+    params = mesh_lib.bytes_per_device(abstract_state(build(run, plan, mesh)).params)
+    cost = costs.step_cost(run, plan, devices)
     return {
         "accumulation": mode,
         "grad_accum_steps": plan.grad_accum_steps,

@@ -21,6 +21,7 @@ Prints a table and writes benchmarks/results/step_overhead.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import platform
@@ -55,10 +56,12 @@ import optax
 from flax import nnx
 
 from jaxkit.batch.schedule import plan_from_config
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.data.sources import load_micro_batch, make_sources
 from jaxkit.mesh import batch_sharding, make_mesh, mesh_shape, replicated
 from jaxkit.models import model_loss
+from jaxkit.models.lm import lm_model
+from jaxkit.sections import RunConfig
 from jaxkit.step.train_step import build
 from jaxkit.train.loop import train
 
@@ -118,17 +121,17 @@ def forward(params, tokens, num_heads):
     return dense(layer_norm(x, params["ln_final"]), params["head"])
 
 
-def handwritten(config):
+def handwritten(config: RunConfig):
     """The bare loop's pieces: its initial params and optimizer state (jaxkit's init, as
     plain dicts), its loss and its jitted step."""
-    mesh = make_mesh(config.mesh.to_dict())
+    mesh = make_mesh(dataclasses.asdict(config.mesh))
     plan = plan_from_config(config, mesh_shape(mesh))
     assert plan.grad_accum_steps == 1
     setup = build(config, plan, mesh)
     params = jax.device_put(jax.device_get(setup.init(jax.random.key(0)).params), replicated(mesh))
     tx = optax.adamw(plan.learning_rate)
     opt_state = jax.device_put(tx.init(params), replicated(mesh))
-    heads = config.model.num_heads
+    heads = lm_model(config).num_heads
 
     def loss_fn(p, batch):
         logits = forward(p, batch["inputs"], heads)
@@ -143,7 +146,7 @@ def handwritten(config):
     return mesh, plan, params, opt_state, loss_fn, step
 
 
-def handwritten_step_time(config, steps: int) -> tuple[float, float]:
+def handwritten_step_time(config: RunConfig, steps: int) -> tuple[float, float]:
     """Median seconds per step of a bare jit loop; also its initial loss for a sanity check."""
     mesh, plan, params, opt_state, loss_fn, step = handwritten(config)
     source, _ = make_sources(config)
@@ -170,7 +173,7 @@ def flops(compiled) -> float:
     return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
 
 
-def program_times(config, steps: int) -> dict:
+def program_times(config: RunConfig, steps: int) -> dict:
     """The kit's compiled step and the bare loop's, called in turn on the same batches,
     each waited for: median seconds per step of each, their ratio and FLOPs per step."""
     mesh, plan, params, opt_state, _, step = handwritten(config)
@@ -216,14 +219,15 @@ def median_interval(values: list[float], draws: int = 2000) -> tuple[float, floa
 def main() -> None:
     steps, repeats = args.steps, args.repeats
     dp = args.host_devices
-    base = lm_config(per_device=4, accum=1, steps=steps)
+    base = lm_config(per_device=4, accum=1, steps=steps)  # for train(); run: its sections
+    run = run_config(base)
 
     # Sanity: the baseline computes the same loss as jaxkit's model at the same params.
-    mesh = make_mesh(base.mesh.to_dict())
-    plan = plan_from_config(base, mesh_shape(mesh))
-    setup = build(base, plan, mesh)
+    mesh = make_mesh(dataclasses.asdict(run.mesh))
+    plan = plan_from_config(run, mesh_shape(mesh))
+    setup = build(run, plan, mesh)
     state = setup.init(jax.random.key(0))
-    source, _ = make_sources(base)
+    source, _ = make_sources(run)
     batch = load_micro_batch(source, 0, 0, plan, 0, setup.batch_sharding)
     # The train step's loss: Σ loss_weights × loss, the mean over these rows (K = 1).
     model = nnx.merge(setup.graphdef, state.params)
@@ -235,7 +239,7 @@ def main() -> None:
     for pair in range(args.loop_repeats):
         if pair % 2:  # every other pair starts with the kit: drift favours neither loop
             jk_times.append(jaxkit_step_time(base))
-        t, hand_loss = handwritten_step_time(base, steps)
+        t, hand_loss = handwritten_step_time(run, steps)
         hand_times.append(t)
         if not pair % 2:
             jk_times.append(jaxkit_step_time(base))
@@ -249,7 +253,7 @@ def main() -> None:
     hand, jk = statistics.median(hand_times), statistics.median(jk_times)
     loop_ratio = statistics.median(pair_ratios)
     low, high = median_interval(pair_ratios)
-    programs = program_times(base, args.program_steps)
+    programs = program_times(run, args.program_steps)
 
     accum_rows = []
     for k in () if args.loop_only else (4, 8):

@@ -18,6 +18,7 @@ Writes benchmarks/results/tpu_plan.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -40,12 +41,11 @@ parser.add_argument(
 args = parser.parse_args()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiling for a described slice: no TPU needed
 
-import ml_collections
-
-from jaxkit.config import apply_overrides, load_config
+from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.mesh import resolve_mesh_shape
 from jaxkit.plan import compile_cache, costs
 from jaxkit.plan.targets import parse_target, target_devices
+from jaxkit.sections import RunConfig
 
 # Compile seconds are what the splits measure: no plan comes from the cache of earlier ones.
 compile_cache.plans_enabled = False
@@ -63,10 +63,10 @@ GPT2_SMALL_SHAPES = [
 ]
 
 
-def gpt2_config():
+def gpt2_config() -> RunConfig:
     config = load_config("lm_tiny")
     apply_overrides(config, GPT2_SMALL_SHAPES)
-    return config
+    return run_config(config)
 
 
 def main() -> None:
@@ -81,8 +81,9 @@ def main() -> None:
     rows = []
     for split in splits:
         for scan in layouts:
-            layout = ml_collections.ConfigDict(config.to_dict())
-            layout.model.scan_layers = scan
+            layout = dataclasses.replace(
+                config, model=dataclasses.replace(config.model, scan_layers=scan)
+            )
             (costed,) = costs.with_costs(layout, [split], devices)
             c = costed.cost
             memory = costs.format_bytes(c.memory_bytes) if c else "refused (HBM)"
@@ -108,7 +109,7 @@ def main() -> None:
         target = parse_target(name)
         devices = target_devices(target)
         budget = target.generation.hbm_bytes
-        resolve_mesh_shape(config.mesh.to_dict(), len(devices))  # the mesh fits the slice
+        resolve_mesh_shape(dataclasses.asdict(config.mesh), len(devices))  # the mesh fits the slice
         start = time.perf_counter()
         search = costs.max_per_device_batch(
             config,
