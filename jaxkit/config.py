@@ -940,6 +940,19 @@ def sections_module() -> str:
     return "\n\n\n".join(parts) + "\n"
 
 
+def _section(cls: type, values: dict[str, Any]) -> Any:
+    """The section `cls` of a config section's values: its declared keys (a key left out at
+    its default), others (a model of your own's) left to the ConfigDict."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in values.items() if name in names})
+
+
+def _kind_sections(kind: str) -> tuple[type, type]:
+    """The model and data sections of `kind`: a checked kind not built in is a model of
+    your own."""
+    return sections.KINDS.get(kind, sections.KINDS["custom"])
+
+
 def run_config(config: ml_collections.ConfigDict, *, checked: bool = False) -> sections.RunConfig:
     """`config` as typed, frozen sections, its values checked first (`check_values`; a
     ConfigError names the first bad key) unless `checked` says they were: each section's
@@ -948,26 +961,19 @@ def run_config(config: ml_collections.ConfigDict, *, checked: bool = False) -> s
     in the ConfigDict only, which RunConfig.config holds for it."""
     if not checked:
         check_values(config)
-
-    def section(cls: type, values: dict[str, Any]) -> Any:
-        names = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{name: value for name, value in values.items() if name in names})
-
     values = {
         name: config.get(name, ml_collections.ConfigDict()).to_dict()
         for name in (*SHARED_SECTIONS, "model", "data")
     }
-    kind = values["model"]["kind"]
-    # a checked kind that is not built in is a model of your own
-    model_section, data_section = sections.KINDS.get(kind, sections.KINDS["custom"])
+    model_cls, data_cls = _kind_sections(values["model"]["kind"])
     shared = {
-        name: section(getattr(sections, _class_name(name)), values[name])
+        name: _section(getattr(sections, _class_name(name)), values[name])
         for name in SHARED_SECTIONS
     }
     return sections.RunConfig(
         name=config.get("name"),
-        model=section(model_section, values["model"]),
-        data=section(data_section, values["data"]),
+        model=_section(model_cls, values["model"]),
+        data=_section(data_cls, values["data"]),
         config=config,
         **shared,
     )
@@ -977,10 +983,7 @@ def model_section(config: ml_collections.ConfigDict) -> sections.Model:
     """The config's model section alone, typed (`run_config`'s, unchecked): for code that
     reads the model before the rest of the config is complete (hf/: model.init_from's
     architecture, taken from its config.json)."""
-    kind = config.model.kind
-    cls = sections.KINDS.get(kind, sections.KINDS["custom"])[0]
-    names = {field.name for field in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in config.model.to_dict().items() if k in names})
+    return _section(_kind_sections(config.model.kind)[0], config.model.to_dict())
 
 
 def saved_config(saved: dict) -> ml_collections.ConfigDict:
