@@ -8,6 +8,7 @@ ill-typed values are errors that name the key and suggest the closest valid one,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib.util
@@ -974,7 +975,7 @@ def run_config(config: ml_collections.ConfigDict, *, checked: bool = False) -> s
         name=config.get("name"),
         model=_section(model_cls, values["model"]),
         data=_section(data_cls, values["data"]),
-        config=config,
+        config=copy.deepcopy(config),  # frozen as the sections are: later edits stay out
         **shared,
     )
 

@@ -98,3 +98,14 @@ def test_a_kind_s_sections_are_chosen_by_its_declared_kind():
     llama = run_config(_checked("llama_tiny", [f"model.rope_scaling={scaling}"]))
     assert isinstance(llama.model, sections.LlamaModel)
     assert isinstance(llama.model.rope_scaling, dict) and llama.model.rope_scaling["factor"] == 8.0
+
+
+def test_a_run_config_is_not_changed_by_later_edits_of_its_config_dict():
+    """What a model of your own is handed (RunConfig.config) is the config as it was checked,
+    as the sections are: an edit of the ConfigDict afterwards reaches neither."""
+    config = _checked("lm_tiny", [])
+    run = run_config(config)
+    config.model.d_model = 7
+    config.train.steps = 12345
+    assert run.model.d_model == 128 and run.config.model.d_model == 128
+    assert run.train.steps == run.config.train.steps != 12345
