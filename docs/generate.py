@@ -99,7 +99,9 @@ keys it set must still agree with the checkpoint's.
 
 ## Between keys
 
-Beyond each key's own limit: at most one mesh axis is -1; exactly one of `train.steps` and
+Beyond each key's own limit: at most one mesh axis is -1; `mesh.dcn_data × mesh.dcn_fsdp`
+is 1 or the number of slices the devices form (each process a slice on CPU), and the devices
+of a slice are `mesh.data × mesh.fsdp × mesh.tensor`; exactly one of `train.steps` and
 `train.examples`; `optimizer.reference_batch_size` with an `optimizer.lr_scaling` other than
 `none`; `model.d_model` divisible by `model.num_heads`, and (Llama) `model.num_heads` by
 `model.num_kv_heads`, with an even head width (rotary positions rotate pairs);
@@ -111,7 +113,9 @@ of your own needs `model.num_classes` on synthetic rows; `train.profile_steps` S
 within `train.steps`. On the live mesh, every dimension the partition rules shard must divide
 evenly (JAX refuses uneven shards): `model.d_model` by `mesh.fsdp` and `mesh.tensor`,
 `model.mlp_dim` by `mesh.tensor`; for the MLP `model.hidden_size` by both and
-`data.num_features` by `mesh.fsdp`; for your own model each dimension its annotations shard.
+`data.num_features` by `mesh.fsdp`; for your own model each dimension its annotations shard
+(over several slices the mesh's data and fsdp axes are `mesh.dcn_data × mesh.data` and
+`mesh.dcn_fsdp × mesh.fsdp` long).
 `model.num_heads` must divide by `mesh.tensor` too: attention heads are split over it, and a
 head cut in parts is gathered whole at every layer.
 """
@@ -120,6 +124,8 @@ _SEE = {
     "batch.schedule": "../batch-plan.md#a-batch-that-grows-during-training",
     "train.loss_normalisation": "../data.md#exact-loss-normalisation",
     "train.accumulation": "../accumulation.md",
+    "mesh.dcn_data": "../tpu-vm.md#several-slices",
+    "mesh.dcn_fsdp": "../tpu-vm.md#several-slices",
     "model.kind": "../training.md#your-own-model",
     "model.remat": "../models-at-scale.md",
     "data.source": "../data.md#your-own-data",

@@ -87,7 +87,8 @@ _STEP_COUNT = 2**31
 # reference all come from this table.
 BASE_KEYS: tuple[Key, ...] = (
     # Give two of the three; the third is derived from the live mesh:
-    # global_batch_size = (mesh.data × mesh.fsdp) × per_device_batch_size × grad_accum_steps
+    # global_batch_size = (mesh.dcn_data × mesh.dcn_fsdp × mesh.data × mesh.fsdp)
+    #                     × per_device_batch_size × grad_accum_steps
     _key(
         "batch.global_batch_size",
         None,
@@ -136,11 +137,13 @@ BASE_KEYS: tuple[Key, ...] = (
         "`auto`: noise-scale samples in a row with B_simple above the batch before K doubles",
         **_RESUMABLE,
     ),
+    # The sizes within a slice; the dcn keys below multiply the batch axes over slices.
     _key(
         "mesh.data",
         -1,
         MESH_AXIS,
-        "pure data parallel: replicas that each see part of the batch (-1: the remaining devices)",
+        "pure data parallel: replicas that each see part of the batch (-1: the remaining "
+        "devices of a slice)",
         **_RESUMABLE,
     ),
     _key(
@@ -155,6 +158,25 @@ BASE_KEYS: tuple[Key, ...] = (
         1,
         MESH_AXIS,
         "shards heads and hidden units; does not split the batch",
+        **_RESUMABLE,
+    ),
+    # Several slices (multi-slice): their product is the number of slices; the mesh's data
+    # axis is mesh.dcn_data × mesh.data long (fsdp likewise). Runs saved before ran on one.
+    _key(
+        "mesh.dcn_data",
+        1,
+        POSITIVE,
+        "slices the data axis spans, over the data-centre network (each slice's devices "
+        "are `mesh.data × mesh.fsdp × mesh.tensor`)",
+        added=1,
+        **_RESUMABLE,
+    ),
+    _key(
+        "mesh.dcn_fsdp",
+        1,
+        POSITIVE,
+        "slices the fsdp axis spans, over the data-centre network",
+        added=1,
         **_RESUMABLE,
     ),
     _key(

@@ -30,6 +30,8 @@ class Mesh:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

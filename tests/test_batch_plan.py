@@ -1,6 +1,8 @@
 import math
 
+import doc_blocks
 import pytest
+from cli_run import jaxkit
 
 from jaxkit.batch import plan as batch_plan
 from jaxkit.batch.plan import BatchPlanError, make_batch_plan, splits_table
@@ -219,3 +221,35 @@ def test_a_huge_global_batch_is_refused_in_bounded_trials_with_its_exact_quotien
     assert "1,000,000,000,000 not listed)" in msg
     with pytest.raises(BatchPlanError, match="not divisible by data_parallel_size=8 at all"):
         plan(8, _BoundedInt(10**20 + 1), 3, None)  # odd: no trials at all
+
+
+def test_slices_count_in_the_data_parallel_size_and_the_plan_says_so():
+    """Over 2 slices of 4 (mesh.dcn_data=2): the mesh's data axis already holds the slices;
+    the plan shows the product slice by slice. On one slice the plan is as before."""
+    two = plan(8, 32, 2, None, dcn_shape={"data": 2, "fsdp": 1})
+    assert two.data_parallel_size == 8 and two.grad_accum_steps == 2
+    rows = two.table().splitlines()
+    assert rows[2].split("|")[0].strip() == "devices (dcn_data × dcn_fsdp × data × fsdp)"
+    assert "data-parallel ranks = 2 × 1 × 4 × 1 over 2 slices; mesh data=8" in rows[2]
+    assert two.to_json()["dcn_shape"] == {"data": 2, "fsdp": 1}
+    fsdp = make_batch_plan(
+        mesh_shape={"data": 2, "fsdp": 4, "tensor": 1},
+        global_batch_size=32,
+        per_device_batch_size=4,
+        grad_accum_steps=None,
+        dcn_shape={"data": 1, "fsdp": 2},
+    )
+    assert "= 1 × 2 × 2 × 2 over 2 slices" in fsdp.table()
+    one = plan(8, 32, 2, None, dcn_shape={"data": 1, "fsdp": 1})
+    assert one == plan(8, 32, 2, None) and one.table() == plan(8, 32, 2, None).table()
+    assert "dcn_shape" not in one.to_json()
+
+
+def test_the_plan_over_two_slices_is_as_the_docs_show():
+    """docs/batch-plan.md's plan over 2 slices of 4, as `jaxkit plan` prints it: a plan
+    resolves the mesh over the devices' count (8 here, in this process) without building it."""
+    command = "jaxkit plan mlp_digits batch.per_device_batch_size=2 mesh.dcn_data=2"
+    out = jaxkit(*command.split()[1:])
+    assert out.returncode == 0, out.stderr
+    expected = doc_blocks.shown("docs/batch-plan.md", command)
+    assert not doc_blocks.mismatches(expected, out.stdout.splitlines(), rel=0)

@@ -9,6 +9,8 @@ FIXED_KEYS = [
     "mesh.data",
     "mesh.fsdp",
     "mesh.tensor",
+    "mesh.dcn_data",
+    "mesh.dcn_fsdp",
     "train.steps",
     "train.seed",
     "train.log_every",
@@ -169,7 +171,7 @@ def test_a_resume_may_change_exactly_the_keys_declared_resumable():
 # on as another model) shows here.
 RESUMABLE_EVERYWHERE = {
     "name",
-    *("mesh.data", "mesh.fsdp", "mesh.tensor"),
+    *("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.dcn_data", "mesh.dcn_fsdp"),
     *("batch.global_batch_size", "batch.per_device_batch_size", "batch.grad_accum_steps"),
     *("batch.schedule", "batch.max_global_batch_size", "batch.auto_patience"),
     *("train.steps", "train.examples", "train.accumulation", "train.prefetch"),

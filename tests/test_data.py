@@ -59,6 +59,23 @@ def test_the_stream_runs_through_epochs_whatever_the_batch_sizes():
         assert sorted(stream[epoch * n : (epoch + 1) * n].tolist()) == list(range(n))
 
 
+def test_a_process_holding_rows_in_several_blocks_reads_them_in_order():
+    """fsdp across 2 slices with data = 2 over them: process 0 holds rows 0-3 and 8-11 of
+    16 (data index × fsdp 4 + its fsdp 0-1). make_array_from_process_local_data takes a
+    process's rows block by block, in order of where they start."""
+
+    class Held:  # the blocks a sharding's addressable devices hold, one device each
+        def __init__(self, *blocks):
+            self.blocks = blocks
+
+        def addressable_devices_indices_map(self, shape):
+            return {i: (slice(a, b),) for i, (a, b) in enumerate(self.blocks)}
+
+    picked = process_row_range(Held((8, 10), (0, 2), (2, 4), (10, 12)), 16)
+    np.testing.assert_array_equal(picked, [0, 1, 2, 3, 8, 9, 10, 11])
+    assert process_row_range(Held((2, 4), (0, 2), (0, 2)), 16) == slice(0, 4)  # tensor: twice
+
+
 def test_each_device_gets_its_slice_of_the_micro_batch():
     mesh = make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
     sharding = batch_sharding(mesh)

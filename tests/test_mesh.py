@@ -7,6 +7,7 @@ from cli_run import jaxkit
 from jax.sharding import PartitionSpec as P
 from small_configs import SMALL_LM
 
+from jaxkit import mesh as mesh_lib
 from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.mesh import MeshError, make_mesh, mesh_shape, resolve_mesh_shape
@@ -38,6 +39,111 @@ def test_one_axis_fills_the_devices(sizes, devices, expected):
 def test_mismatched_mesh_is_a_clear_error(sizes, match):
     with pytest.raises(MeshError, match=match):
         resolve_mesh_shape(sizes, 8)
+
+
+@pytest.mark.parametrize(
+    "sizes,expected",
+    [
+        # The sizes are a slice's (-1: the rest of a slice); the slices multiply data, fsdp.
+        ({"data": -1, "fsdp": 1, "tensor": 1, "dcn_data": 2}, (8, 1, 1)),
+        ({"data": 2, "fsdp": -1, "tensor": 1, "dcn_data": 1, "dcn_fsdp": 2}, (2, 4, 1)),
+        ({"data": 1, "fsdp": 1, "tensor": -1, "dcn_data": 2, "dcn_fsdp": 2}, (2, 2, 2)),
+        ({"data": -1, "fsdp": 1, "tensor": 1, "dcn_data": 1, "dcn_fsdp": 1}, (8, 1, 1)),
+    ],
+)
+def test_slices_multiply_the_batch_axes_of_a_slice(sizes, expected):
+    assert tuple(resolve_mesh_shape(sizes, 8).values()) == expected
+
+
+@pytest.mark.parametrize(
+    "sizes,match",
+    [
+        ({"dcn_data": 3}, "= 3 slices do not divide the 8 devices; the slices must be one of "),
+        ({"data": 3, "dcn_data": 2}, "= 3 devices, but each of the 2 slices has 4; set one axis"),
+        ({"data": -1, "fsdp": 3, "dcn_fsdp": 2}, "does not divide the 4 devices of a slice"),
+        ({"dcn_fsdp": 0}, "mesh.dcn_fsdp=0: each is a number of slices"),
+    ],
+)
+def test_sizes_that_do_not_fit_the_slices_are_one_line(sizes, match):
+    with pytest.raises(MeshError, match=match):
+        resolve_mesh_shape({"data": -1, "fsdp": 1, "tensor": 1, **sizes}, 8)
+
+
+def test_processes_are_the_slices_on_cpu():
+    """This process's 8 CPU devices are one slice: two slices need two processes
+    (tests/test_multiprocess.py runs them)."""
+    assert [len(s) for s in mesh_lib.device_slices(jax.devices())] == [8]
+    with pytest.raises(MeshError) as refused:
+        make_mesh({"data": -1, "fsdp": 1, "tensor": 1, "dcn_data": 2})
+    assert str(refused.value) == (
+        "mesh.dcn_data × mesh.dcn_fsdp = 2 × 1 = 2 slices, but the 8 cpu devices are one "
+        "process, each process a slice (as on CPU): give mesh.dcn_data=1 and mesh.dcn_fsdp=1"
+    )
+
+
+@pytest.fixture(scope="module")
+def two_v5e_slices():
+    """Two described v5e 2x2 slices (libtpu's compile-only devices carry slice_index)."""
+    from jaxkit.plan.targets import parse_target, target_devices
+
+    return target_devices(parse_target("v5e:2x2", 2))
+
+
+def test_two_tpu_slices_are_laid_out_as_the_hybrid_mesh(two_v5e_slices):
+    from jax.experimental import mesh_utils
+
+    devices = two_v5e_slices
+    assert [len(s) for s in mesh_lib.device_slices(devices)] == [4, 4]
+    for sizes, ici, dcn in (
+        ({"data": -1, "dcn_data": 2}, (4, 1, 1), (2, 1, 1)),
+        ({"data": 2, "fsdp": 1, "tensor": 2, "dcn_fsdp": 2}, (2, 1, 2), (1, 2, 1)),
+    ):
+        mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 1, **sizes}, devices)
+        hybrid = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, allow_split_physical_axes=True
+        )
+        assert (mesh.devices == hybrid).all(), sizes
+        assert mesh.axis_names == ("data", "fsdp", "tensor")
+        assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    # data = 2 slices × 4: the first half of the data axis is slice 0, the second slice 1.
+    mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 1, "dcn_data": 2}, devices)
+    assert [d.slice_index for d in mesh.devices[:, 0, 0]] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "dcn,words",
+    [
+        ({}, "= 1 slice, but the 8 tpu devices are 2 slices: give mesh.dcn_data × "),
+        ({"dcn_data": 4}, "= 4 slices, but the 8 tpu devices are 2 slices: give mesh.dcn_data "),
+        ({"dcn_data": 2, "dcn_fsdp": 2}, "2 × 2 = 4 slices, but the 8 tpu devices are 2 slices"),
+    ],
+)
+def test_a_dcn_product_that_is_not_the_slice_count_names_it(two_v5e_slices, dcn, words):
+    with pytest.raises(MeshError) as refused:
+        make_mesh({"data": -1, "fsdp": 1, "tensor": 1, **dcn}, two_v5e_slices)
+    assert words in str(refused.value)
+    assert str(refused.value).endswith(
+        "give mesh.dcn_data × mesh.dcn_fsdp = 2 (e.g. mesh.dcn_data=2)"
+    )
+
+
+def test_slices_of_unequal_sizes_are_refused(two_v5e_slices):
+    with pytest.raises(MeshError, match=r"are 2 slices, of unequal sizes \(4, 2 devices\)"):
+        make_mesh({"data": -1, "fsdp": 1, "tensor": 1, "dcn_data": 2}, two_v5e_slices[:6])
+
+
+@pytest.mark.parametrize(
+    "dcn,words",
+    [
+        ("mesh.dcn_data=2", "give mesh.dcn_data=1 and mesh.dcn_fsdp=1"),
+        ("mesh.dcn_fsdp=3", "3 slices do not divide the 8 devices"),
+    ],
+)
+def test_train_refuses_a_bad_slice_layout_with_exit_2(tmp_path, dcn, words):
+    out = jaxkit("train", "mlp_digits", dcn, "--workdir", str(tmp_path / "run"), "--no-progress")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("jaxkit: error: ") and words in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_mesh_axes_are_auto():

@@ -146,7 +146,8 @@ def records(workdir):
 
 
 def assert_same_run(a, b):
-    ra, rb = records(a), records(b)
+    """The same steps and losses, to round-off; what a resume logs of itself set aside."""
+    ra, rb = ([r for r in records(w) if "event" not in r] for w in (a, b))
     assert [r["step"] for r in ra] == [r["step"] for r in rb]
     for x, y in zip(ra, rb, strict=True):
         key = "loss" if "loss" in x else "eval_loss"
@@ -170,10 +171,10 @@ def test_the_held_port_refuses_other_binders_but_not_a_reuseport_server():
         holder.close()
 
 
-def launch_here(workdir):
+def launch_here(workdir, run=RUN):
     """[(returncode, output)] of the one-process run, in this process: the 8 devices that
     `--host-devices 8` gives a new one (conftest), without its start-up."""
-    done = jaxkit("train", *RUN, "--workdir", str(workdir), "--no-progress")
+    done = jaxkit("train", *run, "--workdir", str(workdir), "--no-progress")
     return [(done.returncode, done.stdout + done.stderr)]
 
 
@@ -195,11 +196,21 @@ def gloo_removed(output):
     return output
 
 
-def test_two_processes_train_like_one_and_resume_across_process_counts(tmp_path):
+# Two micro-steps of 2 rows per device (K = 2 on 8 devices), so that the two accumulation
+# modes reduce the gradient across the slices differently: MultiSteps at every micro-step,
+# the fused step once per optimizer step.
+ACCUMULATING = [*RUN, "batch.per_device_batch_size=2"]
+TWO_SLICES = [*ACCUMULATING, "mesh.dcn_data=2"]  # each process a slice of 4 devices
+
+
+def test_two_slices_train_like_one_process_and_resume_across_process_counts(tmp_path):
+    """Two processes of 4 devices as two slices (the mesh over them laid out as over two
+    TPU slices, each process a slice on CPU) train as one process of 8 does, in both
+    accumulation modes; each run resumes on the other's processes."""
     one, two = tmp_path / "one", tmp_path / "two"
-    ((rc, out),) = launch_here(one)
+    ((rc, out),) = launch_here(one, ACCUMULATING)
     assert rc == 0, out
-    results = launch(two, processes=2)
+    results = launch(two, TWO_SLICES, processes=2)
     assert_all_exit_0(results)
     assert "step      6" in results[0][1] and "step      6" not in results[1][1]  # one voice
     # Process 1 prints nothing of its own (not its join, nor the workdir): only the lines of
@@ -208,17 +219,42 @@ def test_two_processes_train_like_one_and_resume_across_process_counts(tmp_path)
     own = gloo_removed(results[1][1])
     assert re.fullmatch(r"[\d\s]*", own), results[1][1]
     assert results[0][1].startswith("joining 2 processes at 127.0.0.1:")
-    assert_same_run(one, two)
+    assert "data-parallel ranks = 2 × 1 × 4 × 1 over 2 slices" in results[0][1]
+    assert_same_run(one, two)  # MultiSteps: measured within 6e-8
+    # Its checkpoint evaluates here, on one slice: the data axis takes this slice's devices.
+    evaluated = jaxkit("eval", str(two), "--json")
+    assert evaluated.returncode == 0, evaluated.stderr
+    np.testing.assert_allclose(
+        json.loads(evaluated.stdout)["eval_loss"], records(two)[-1]["eval_loss"], rtol=2e-6
+    )
 
-    # Resume a two-process run as one process, and a one-process run as two.
-    for source, processes in ((two, 1), (one, 2)):
-        moved = tmp_path / f"{source.name}_as_{processes}"
+    def stopped_at_step_3(source, name):
+        moved = tmp_path / name
         shutil.copytree(source, moved)
         shutil.rmtree(moved / "checkpoints" / "step_6")  # as if it had stopped after step 3
-        results = launch(moved, processes=processes) if processes > 1 else launch_here(moved)
-        assert_all_exit_0(results)
-        assert "resuming from" in results[0][1] and "optimizer step 3" in results[0][1]
-        assert_same_run(one, moved)
+        return moved
+
+    # The two-slice run resumed as one process of 8 devices (one slice).
+    moved = stopped_at_step_3(two, "two_as_1")
+    results = launch_here(moved, ACCUMULATING)
+    assert_all_exit_0(results)
+    assert "resuming from" in results[0][1] and "optimizer step 3" in results[0][1]
+    assert_same_run(one, moved)
+    (moved_by,) = [r for r in records(moved) if "event" in r]  # the run's log says so
+    assert moved_by["event"] == "plan_change" and moved_by["step"] == 3
+    assert moved_by["from_plan"]["dcn_shape"] == {"data": 2, "fsdp": 1}
+    assert "dcn_shape" not in moved_by["to_plan"]
+
+    # The one-process run resumed as two slices, switching to the fused step, against the
+    # same resume in one process (a resume may change both).
+    fused = [*ACCUMULATING, "train.accumulation=fused"]
+    here = stopped_at_step_3(one, "one_fused")
+    assert_all_exit_0(launch_here(here, fused))
+    moved = stopped_at_step_3(one, "one_as_2_fused")
+    results = launch(moved, [*fused, "mesh.dcn_data=2"], processes=2)
+    assert_all_exit_0(results)
+    assert "resuming from" in results[0][1] and "optimizer step 3" in results[0][1]
+    assert_same_run(here, moved)  # the fused step: measured within 1.1e-7
 
 
 def test_processes_that_resolved_different_configs_stop(tmp_path):

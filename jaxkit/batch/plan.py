@@ -1,7 +1,11 @@
 """The batch relation as an object.
 
-    global_batch_size = data_parallel_size × per_device_batch_size × grad_accum_steps
-    tokens_per_step   = global_batch_size × seq_len
+    global_batch_size  = data_parallel_size × per_device_batch_size × grad_accum_steps
+    data_parallel_size = dcn_data × dcn_fsdp × data × fsdp
+    tokens_per_step    = global_batch_size × seq_len
+
+(dcn_data and dcn_fsdp: the slices the batch axes span, 1 on one slice; data and fsdp:
+the sizes within a slice.)
 
 The user gives any two of (global, per-device, accumulation); the third is derived
 against the live data-parallel size. Nothing is rounded: an inconsistent request is a
@@ -37,7 +41,7 @@ class BatchPlanError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
     mesh_shape: dict[str, int]
-    data_parallel_size: int  # data × fsdp: the mesh axes the batch is split over
+    data_parallel_size: int  # data × fsdp: the mesh axes the batch is split over, slices in them
     per_device_batch_size: int  # rows per data-parallel rank per micro-step
     grad_accum_steps: int  # micro-steps per optimizer step
     global_batch_size: int  # rows per optimizer step
@@ -46,6 +50,9 @@ class BatchPlan:
     lr_scaling: str
     reference_batch_size: int | None
     learning_rate: float  # peak learning rate after scaling
+    # Slices the batch axes span, {"data": dcn_data, "fsdp": dcn_fsdp}; empty on one slice.
+    # mesh_shape's data and fsdp already count them (data = dcn_data × data of a slice).
+    dcn_shape: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def micro_batch_size(self) -> int:
@@ -70,14 +77,26 @@ class BatchPlan:
             "base_learning_rate": self.base_learning_rate,
             "lr_scaling": self.lr_scaling,
             "reference_batch_size": self.reference_batch_size,
+            **({"dcn_shape": dict(self.dcn_shape)} if self.dcn_shape else {}),
         }
 
     def table(self) -> str:
         """The plan as the seed articles tabulate it: item | value | meaning."""
         mesh = " × ".join(f"{name}={size}" for name, size in self.mesh_shape.items())
         dp, b, k = self.data_parallel_size, self.per_device_batch_size, self.grad_accum_steps
+        ranks = ("devices (data × fsdp)", dp, f"data-parallel ranks; mesh {mesh}")
+        if self.dcn_shape:  # several slices: the ranks counted slice by slice
+            dcn_data, dcn_fsdp = self.dcn_shape["data"], self.dcn_shape["fsdp"]
+            data = self.mesh_shape["data"] // dcn_data
+            fsdp = self.mesh_shape["fsdp"] // dcn_fsdp
+            ranks = (
+                "devices (dcn_data × dcn_fsdp × data × fsdp)",
+                dp,
+                f"data-parallel ranks = {dcn_data} × {dcn_fsdp} × {data} × {fsdp} over "
+                f"{dcn_data * dcn_fsdp} slices; mesh {mesh}",
+            )
         rows: list[tuple[str, object, str]] = [
-            ("devices (data × fsdp)", dp, f"data-parallel ranks; mesh {mesh}"),
+            ranks,
             ("per_device_batch_size", b, "rows per rank per micro-step (memory-bound)"),
             ("grad_accum_steps", k, "micro-steps accumulated per optimizer step"),
             ("global_batch_size", self.global_batch_size, f"= {dp} × {b} × {k} rows per update"),
@@ -231,11 +250,14 @@ def make_batch_plan(
     learning_rate: float = 1e-3,
     lr_scaling: str = "none",
     reference_batch_size: int | None = None,
+    dcn_shape: dict[str, int] | None = None,
 ) -> BatchPlan:
     """Derives the missing one of (global, per-device, accumulation) for a mesh.
 
-    `data_parallel_size` is mesh_shape["data"] × mesh_shape["fsdp"]; the tensor axis holds
-    one copy of each row and does not multiply the batch.
+    `data_parallel_size` is mesh_shape["data"] × mesh_shape["fsdp"], the mesh's axes with
+    their slices in them (dcn_data × dcn_fsdp × data × fsdp); the tensor axis holds one
+    copy of each row and does not multiply the batch. `dcn_shape` ({"data": dcn_data,
+    "fsdp": dcn_fsdp}) says how many slices those axes span, for the plan to show.
     """
     dp = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1)
     g, b, k = global_batch_size, per_device_batch_size, grad_accum_steps
@@ -283,4 +305,5 @@ def make_batch_plan(
         lr_scaling=lr_scaling,
         reference_batch_size=reference_batch_size,
         learning_rate=lr,
+        dcn_shape={} if not dcn_shape or math.prod(dcn_shape.values()) == 1 else dict(dcn_shape),
     )

@@ -255,6 +255,7 @@ def _stage_plan(first: BatchPlan, global_batch_size: int) -> BatchPlan:
         learning_rate=first.base_learning_rate,
         lr_scaling=first.lr_scaling,
         reference_batch_size=first.reference_batch_size,
+        dcn_shape=first.dcn_shape,
     )
 
 
@@ -350,6 +351,9 @@ def _config_plan(
 ) -> BatchPlan:
     """The plan of one split on this mesh, with the config's sequence and learning rate."""
     o = config.optimizer
+    dcn = {"data": config.mesh.dcn_data, "fsdp": config.mesh.dcn_fsdp}
+    if any(mesh_shape.get(axis, 1) % slices for axis, slices in dcn.items()):
+        dcn = {}  # a shape not of the config's mesh (one device, for the batch alone)
     return make_batch_plan(
         mesh_shape=mesh_shape,
         global_batch_size=global_batch_size,
@@ -359,6 +363,7 @@ def _config_plan(
         learning_rate=o.learning_rate,
         lr_scaling=o.lr_scaling,
         reference_batch_size=o.reference_batch_size,
+        dcn_shape=dcn,
     )
 
 

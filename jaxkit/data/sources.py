@@ -679,19 +679,19 @@ def micro_batch_rows(
     return stream_rows(first_example + micro * m, m, num_rows, seed)
 
 
-def process_row_range(sharding: jax.sharding.Sharding, num_rows: int) -> slice:
-    """The contiguous rows of a row-sharded array that this process's devices hold."""
+def process_row_range(sharding: jax.sharding.Sharding, num_rows: int) -> slice | np.ndarray:
+    """The rows of a row-sharded array that this process's devices hold: one contiguous
+    block as a slice, or, where its devices hold several (fsdp across slices, with data
+    over them: mesh.dcn_fsdp with mesh.data > 1), the rows of each block in order, which
+    is how make_array_from_process_local_data reads a process's rows."""
     row_slices = [
         slice(None) if idx is None else idx[0]  # None: the device holds every row
         for idx in sharding.addressable_devices_indices_map((num_rows,)).values()
     ]
-    starts = [s.start or 0 for s in row_slices]
-    stops = [num_rows if s.stop is None else s.stop for s in row_slices]
-    lo, hi = min(starts), max(stops)
-    held = sum(b - a for a, b in {(a, b) for a, b in zip(starts, stops, strict=True)})
-    if held != hi - lo:
-        raise ValueError("this process's devices do not hold one contiguous block of rows")
-    return slice(lo, hi)
+    blocks = sorted({(s.start or 0, num_rows if s.stop is None else s.stop) for s in row_slices})
+    if all(stop == start for (_, stop), (start, _) in itertools.pairwise(blocks)):
+        return slice(blocks[0][0], blocks[-1][1])
+    return np.concatenate([np.arange(start, stop) for start, stop in blocks])
 
 
 def to_global_array(

@@ -297,7 +297,10 @@ def split_unit(
     c = ml_collections.ConfigDict(config.to_dict())
     c.batch.update(split_batch(split.per_device, split.accum))
     shape = split_mesh(config, split)
-    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape["data"], shape["fsdp"], shape["tensor"]
+    # The sizes within a slice: the dcn keys, kept, multiply them back to `shape`.
+    c.mesh.data = shape["data"] // c.mesh.dcn_data
+    c.mesh.fsdp = shape["fsdp"] // c.mesh.dcn_fsdp
+    c.mesh.tensor = shape["tensor"]
     return c, list(devices[: split.devices])
 
 

@@ -224,9 +224,9 @@ def _read_meta(checkpoints: Any, step: int) -> dict:
 
 
 def make_mesh(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> jax.sharding.Mesh:
-    """The run's mesh on every device here: on another device count its fsdp and tensor
-    axes kept and data taking the rest (as a resume elsewhere would), unless the overrides
-    set mesh.*."""
+    """The run's mesh on every device here: on other slices the data axis spanning these
+    (mesh.dcn_data), on another device count its fsdp and tensor axes kept and data taking
+    the rest (as a resume elsewhere would), unless the overrides set mesh.*."""
     import jax
 
     from jaxkit import mesh as mesh_lib
@@ -236,14 +236,20 @@ def make_mesh(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ja
     devices = jax.devices()
     sizes = config.mesh.to_dict()
     given = any(item.startswith("mesh.") for item in overrides)
-    if not given and abs(math.prod(sizes.values())) != len(devices):
-        sizes["data"] = -1
     try:
+        if not given:
+            try:
+                mesh_lib.check_slices(sizes, devices)
+            except mesh_lib.MeshError:
+                sizes |= {"dcn_data": len(mesh_lib.device_slices(devices)), "dcn_fsdp": 1}
+            if abs(math.prod(sizes.values())) != len(devices):
+                sizes["data"] = -1
         shape = mesh_lib.resolve_mesh_shape(sizes, len(devices))
+        mesh_lib.check_slices(sizes, devices)
     except mesh_lib.MeshError as err:
         raise mesh_lib.MeshError(f"{err} (set mesh.* after SOURCE)") from None
     check_mesh_divides(run_config(config), shape)
-    return mesh_lib.make_mesh(shape, devices)
+    return mesh_lib.make_mesh(sizes, devices)
 
 
 def load_params(source: Source, abstract: Any, shardings: Any, outcome: str) -> Any:
