@@ -193,9 +193,12 @@ def _main(argv: list[str] | None) -> int:
         from jaxkit.plan.targets import TargetError, parse_target
 
         try:
-            opts.target = parse_target(target)
+            opts.target = parse_target(target, getattr(opts, "slices", None) or 1)
         except TargetError as err:
             return error(err)
+        mesh = config.mesh
+        if opts.target.slices > 1 and mesh.dcn_data * mesh.dcn_fsdp == 1:
+            mesh.dcn_data = opts.target.slices  # the data axis spans the slices by default
     _start_jax(opts.host_devices, cpu_only=target is not None, cache=not opts.no_compile_cache)
     if opts.command == "train":
         from jaxkit.distributed import DistributedError, initialize

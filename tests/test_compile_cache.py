@@ -289,6 +289,15 @@ def test_a_second_target_plan_compiles_nothing(monkeypatch, tmp_path, capsys):
     assert capsys.readouterr().err.count("warning:") <= 1
     for a, c in zip(first["splits"], third["splits"], strict=True):
         assert a["memory_bytes"] == c["memory_bytes"]
+    # Entries whose figures were read off the program by other rules (costs.FIGURES: the
+    # FLOP and traffic counts) are compiled again, not read back.
+    compiles.clear()
+    monkeypatch.setattr(costs, "FIGURES", costs.FIGURES + 1)
+    fourth = plan_json(capsys)
+    assert compiles and not any(s["compile_cache_hit"] for s in fourth["splits"])
+    assert [s["memory_bytes"] for s in fourth["splits"]] == [
+        s["memory_bytes"] for s in first["splits"]
+    ]
     # --no-compile-cache turns the plan cache off too.
     assert (
         cli_lib.main(["plan", *TARGET_PLAN, "--target", "v5litepod-8", "--no-compile-cache"]) == 0

@@ -19,7 +19,7 @@ from small_configs import SMALL_LM
 from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import apply_overrides, load_config, run_config
 from jaxkit.mesh import make_mesh, mesh_shape
-from jaxkit.plan import costs
+from jaxkit.plan import costs, step_time, traffic
 from jaxkit.plan.hlo import (
     Collective,
     axes_spanned,
@@ -28,6 +28,7 @@ from jaxkit.plan.hlo import (
     device_groups,
     runs_per_call,
 )
+from jaxkit.plan.targets import parse_target, target_devices
 from jaxkit.step.train_step import build
 
 SHAPE = {"data": 2, "fsdp": 2, "tensor": 2}
@@ -147,13 +148,22 @@ def step_setup(mesh_overrides, mode, per_device, *extra, small=True):
 
 
 @functools.cache  # a program two tests read (2×2×2, fused, 2 rows per device) compiled once
-def compiled_step(mesh_overrides, mode, per_device):
-    """SMALL_LM's step lowered as compile_setup_step lowers it for the loop, compiled, and
-    the collectives in it; without the FLOP counts compile_setup_step adds (about 0.5 CPU-s
-    of each program's 2-3), which only the costs test reads."""
+def compiled_text(mesh_overrides, mode, per_device, tpu=False):
+    """SMALL_LM's step lowered as compile_setup_step lowers it for the loop and compiled
+    (for a described v5e:2x4 with `tpu`); without the FLOP counts compile_setup_step adds
+    (about 0.5 CPU-s of each program's 2-3), which only the costs test reads."""
     config, plan, setup = step_setup(mesh_overrides, mode, per_device)
+    if tpu:
+        devices = target_devices(parse_target("v5e-8"))
+        setup = build(config, plan, make_mesh(dataclasses.asdict(config.mesh), devices))
     lowered, _ = costs._lower(config, plan, setup)
-    return plan, setup, collectives(lowered.compile().as_text(), plan.mesh_shape)
+    return plan, setup, lowered.compile().as_text()
+
+
+def compiled_step(mesh_overrides, mode, per_device):
+    """compiled_text's plan and setup, and the collectives in its program."""
+    plan, setup, text = compiled_text(mesh_overrides, mode, per_device)
+    return plan, setup, collectives(text, plan.mesh_shape)
 
 
 def step_cost(mesh_overrides, mode, *extra):
@@ -240,3 +250,59 @@ def test_fused_costs_what_multisteps_costs_on_sharded_meshes(layout):
     fused = step_cost(LAYOUTS[layout], "fused", one_layer)
     assert fused.memory_bytes <= 1.10 * multisteps.memory_bytes
     assert abs(fused.flops_per_step / multisteps.flops_per_step - 1) <= 0.05
+
+
+# The collective accounting of step_time.py against closed forms. A chip whose one link
+# carries 1 B/s one way: an ICI collective's seconds are the bytes each chip sends.
+UNIT = step_time.Chip(1.0, 1.0, 1.0, 1.0)
+
+
+def step_traffic(layout, mode, per_device, tpu=False):
+    plan, setup, text = compiled_text(LAYOUTS[layout], mode, per_device, tpu)
+    found = traffic.transfers(text, list(setup.batch_sharding.mesh.devices.flat))
+    calls = 1 if mode == "fused" else plan.grad_accum_steps
+    return plan, setup, found, step_time.collective_traffic(found, calls, UNIT)
+
+
+@pytest.mark.parametrize("mode", ["multisteps", "fused"])
+def test_a_data_parallel_gradient_moves_its_ring_all_reduce_bytes(mode):
+    # 8 data-parallel devices, K = 4 (the programs test_each_layout compiles). The gradient's
+    # P bytes all-reduced over n devices send 2(n − 1)/n · P from each (plus a few scalars:
+    # the loss and its weight): once per optimizer step fused, K times with MultiSteps.
+    plan, setup, found, moved = step_traffic("data=8", mode, 2)
+    n, k = 8, plan.grad_accum_steps
+    assert k == 4
+    ring = 2 * (n - 1) / n * gradient_shard_bytes(setup)
+    reductions = 1 if mode == "fused" else k
+    assert {t.kind for t in found} == {"all-reduce"}
+    assert reductions * ring <= moved.ici_bytes <= reductions * ring + 64 * k
+    assert moved.dcn_bytes == 0
+
+
+def test_fsdp_gathers_the_params_once_per_micro_step_on_a_tpu():
+    # On a described v5e:2x4 with fsdp = 8: every sharded param is gathered whole (its
+    # (n − 1)/n share arriving at each chip) at least once per micro-step, and the fused
+    # step of K = 4 micro-steps gathers exactly K times what K = 1 gathers (a known cost of
+    # fsdp with accumulation); its gradients are reduced per micro-step too.
+    n = 8
+    one, setup, found_one, _ = step_traffic("fsdp=8", "fused", 8, tpu=True)
+    four, _, found_four, _ = step_traffic("fsdp=8", "fused", 2, tpu=True)
+    assert (one.grad_accum_steps, four.grad_accum_steps) == (1, 4)
+
+    def gathered(found):
+        return sum(t.runs * step_time._full_bytes(t) for t in found if t.kind == "all-gather")
+
+    params = jax.eval_shape(setup.init, jax.random.key(0)).params
+    sharded = sum(
+        4 * x.size
+        for x, s in zip(
+            jax.tree.leaves(params), jax.tree.leaves(setup.state_shardings.params), strict=True
+        )
+        if s.shard_shape(x.shape) != x.shape
+    )
+    assert sharded <= gathered(found_one) <= 3 * sharded  # forward, and again for backward
+    assert gathered(found_four) == 4 * gathered(found_one)
+    sent = step_time.collective_traffic([t for t in found_one if t.kind == "all-gather"], 1, UNIT)
+    assert sent.ici_bytes == pytest.approx((n - 1) / n * gathered(found_one))
+    # The chips of a v5e:2x4 differ along both torus sides, neither a ring (16 chips are).
+    assert {(t.group_size, t.torus_dims, t.wraps) for t in found_one} == {(8, 2, False)}

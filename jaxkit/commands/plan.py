@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -51,7 +52,33 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "to compare, of none, dots, full (default: the config's model.remat)",
     )
     plan.add_argument("--target", metavar="TARGET", help=common.TARGET_HELP)
+    plan.add_argument(
+        "--slices",
+        type=common.int_at_least(1),
+        metavar="N",
+        help="with --target: plan for N such slices joined by the data-centre network "
+        "(multi-slice), the data axis spanning them unless mesh.dcn_data/mesh.dcn_fsdp say "
+        "otherwise (default 1)",
+    )
+    plan.add_argument(
+        "--usd-per-chip-hour",
+        type=positive_number,
+        metavar="USD",
+        help="with --target and --all-splits or --max-per-device-batch: what a chip costs an "
+        "hour, to price a billion tokens at each split's predicted step time",
+    )
     return plan
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a positive, finite number, refused as a usage error (exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of dollars")
+    return value
 
 
 def ignored_option(opts: argparse.Namespace) -> str | None:
@@ -64,6 +91,12 @@ def ignored_option(opts: argparse.Namespace) -> str | None:
         return "--memory-budget applies only with --all-splits or --max-per-device-batch"
     if opts.remat is not None and not (opts.all_splits or opts.max_per_device_batch):
         return "--remat applies only with --all-splits or --max-per-device-batch"
+    if opts.slices is not None and opts.target is None:
+        return "--slices applies only with --target (the slices of a described TPU target)"
+    if opts.usd_per_chip_hour is not None and opts.target is None:
+        return "--usd-per-chip-hour applies only with --target (it prices predicted steps)"
+    if opts.usd_per_chip_hour is not None and not (opts.all_splits or opts.max_per_device_batch):
+        return "--usd-per-chip-hour applies only with --all-splits or --max-per-device-batch"
     return None
 
 
@@ -101,6 +134,7 @@ def run(
         target=opts.target,
         memory_budget=opts.memory_budget,
         remat=opts.remat,
+        usd_per_chip_hour=opts.usd_per_chip_hour,
     )
     if request.target is not None and not opts.json:
         plan = request.plan
@@ -175,6 +209,15 @@ def _all_splits(request: planning.Request, opts: argparse.Namespace) -> int:
         "model FLOPs: the architecture's (flops.py), the basis of MFU; hardware FLOPs: the "
         "compiled matmuls, recomputation included (× model), the basis of HFU"
     )
+    if result.predictions:
+        _print_predictions(result)
+    elif request.target is not None:
+        g = request.target.generation
+        print(
+            f"no predicted step time: it needs {g.name}'s HBM, ICI and DCN bandwidths "
+            f"(plan/targets.py) and its peak for {request.config.model.compute_dtype} "
+            "matmuls (plan/peak.py), and the kit's tables lack one"
+        )
     for n, why in result.left_out.items():
         print(f"left out: {n} devices ({why})")
     if budget is None:
@@ -187,14 +230,65 @@ def _all_splits(request: planning.Request, opts: argparse.Namespace) -> int:
     else:
         p = chosen.plan
         remat = f" model.remat={chosen.remat}" if chosen.remat else ""
+        unit = next((t.unit for t in result.predictions.values()), "tokens")
+        why = (
+            f"the most predicted {unit} per second per device of those that fit; ties: the "
+            "fewest hardware FLOPs per model FLOP, the largest per-device batch, the fewest "
+            "accumulation steps"
+            if result.predictions
+            else "the most model FLOPs per second predicted: the fewest hardware FLOPs per "
+            "model FLOP, then the largest per-device batch that fits, then the fewest "
+            "accumulation steps"
+        )
         print(
             f"recommended on {len(devices)} devices within {costs.format_bytes(budget)}: "
             f"per_device_batch_size={p.per_device_batch_size} "
-            f"grad_accum_steps={p.grad_accum_steps}{remat} (the most model FLOPs per second "
-            "predicted: the fewest hardware FLOPs per model FLOP, then the largest per-device "
-            "batch that fits, then the fewest accumulation steps)"
+            f"grad_accum_steps={p.grad_accum_steps}{remat} ({why})"
         )
     return 0
+
+
+def format_seconds(seconds: float) -> str:
+    """3.44 s, 12.3 ms, 37.2 µs; 0 for nothing."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return "0" if seconds == 0 else f"{seconds * 1e9:.3g} ns"
+
+
+def _print_predictions(result: planning.AllSplits) -> None:
+    """The predicted step of each compiled split on the target: a lower bound, its bound."""
+    from jaxkit.batch.plan import format_table
+
+    request = result.request
+    assert request.target is not None and request.chip is not None
+    priced = request.usd_per_chip_hour is not None
+    rows = []
+    for s in result.splits:
+        p, t = s.plan, result.predicted(s)
+        if t is None:
+            continue
+        row: list[object] = [p.per_device_batch_size, p.grad_accum_steps]
+        row += [s.remat or ""] if len(request.policies) > 1 else []
+        row += [format_seconds(t.step_s), t.bound]
+        row += [format_seconds(x) for x in (t.compute_s, t.hbm_s, t.ici_s, t.dcn_s)]
+        row += [f"{t.tokens_per_s_per_device:,.0f}", f"{100 * t.mfu:.1f}%"]
+        row += [f"{t.usd_per_billion_tokens:,.3g}"] if priced else []
+        rows.append(tuple(row))
+    header = ["per_device_batch_size", "grad_accum_steps"]
+    header += ["remat"] if len(request.policies) > 1 else []
+    header += ["step", "bound", "compute", "hbm", "ici", "dcn"]
+    unit = next(iter(result.predictions.values())).unit  # tokens, or a classifier's examples
+    header += [f"{unit}/s/device", "MFU"] + ([f"USD/1B {unit}"] if priced else [])
+    chip = request.chip
+    print(
+        f"\npredicted step on {request.target.describe()} (a lower bound: the slowest of "
+        f"compute at {chip.peak_flops_per_s / 1e12:g} TFLOP/s, HBM at "
+        f"{chip.hbm_bytes_per_s / 1e9:g} GB/s, ICI at {chip.ici_link_bytes_per_s / 1e9:g} GB/s "
+        f"a link each way, DCN at {chip.dcn_bytes_per_s / 1e9:g} GB/s a chip; see "
+        "docs/tpu-planning.md):"
+    )
+    print(format_table(tuple(header), rows))
 
 
 def _max_batch(request: planning.Request, as_json: bool) -> int:
@@ -242,6 +336,15 @@ def _max_batch(request: planning.Request, as_json: bool) -> int:
             f"{costs.format_bytes(budget)}, {ratio:.2f} hardware FLOPs per model FLOP "
             f"({search.compiles} compiles, {search.seconds:.1f} s, nothing executed)"
         )
+        timed = result.predictions.get(policy)
+        if timed is not None:
+            priced = timed.usd_per_billion_tokens
+            print(
+                f"  predicted step (K = 1): at least {format_seconds(timed.step_s)}, bound by "
+                f"{timed.bound}; {timed.tokens_per_s_per_device:,.0f} {timed.unit}/s per "
+                f"device, MFU {100 * timed.mfu:.1f}%"
+                + (f", {priced:,.3g} USD per billion {timed.unit}" if priced is not None else "")
+            )
     if several:
         policy, best = result.best
         print(

@@ -207,6 +207,9 @@ def plan_key(lowered_text: str, devices: Any) -> str:
     except Exception:  # not installed: no target plan gets this far
         libtpu = "none"
     chips = f"{len(devices)}x{devices[0].device_kind}" if len(devices) else "0"
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    if len(slices) > 1:  # several slices over the DCN are other chips than one slice of all
+        chips += f" in {len(slices)} slices"
     digest = hashlib.sha256()
     for part in (lowered_text, chips, jax.__version__, libtpu, *compiler_flags()):
         digest.update(part.encode())

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -35,8 +35,9 @@ from jaxkit import mesh as mesh_lib
 from jaxkit.batch.plan import Accumulation, BatchPlan, divisors
 from jaxkit.batch.schedule import plan_from_config
 from jaxkit.config import is_lm
-from jaxkit.plan import compile_cache
+from jaxkit.plan import compile_cache, traffic
 from jaxkit.plan.flops import hardware_flops, model_flops_per_example
+from jaxkit.plan.targets import generation_of
 from jaxkit.sections import RunConfig
 from jaxkit.step.optimizer import Hyper
 from jaxkit.step.train_step import Setup, abstract_state, build
@@ -105,6 +106,10 @@ class StepCost:
     # The train state one device holds between steps (params, the optimizer's moments and
     # counters, MultiSteps' accumulator where the run keeps one): part of argument_bytes.
     state_bytes: int = 0
+    # For a described TPU slice (step_time.py's inputs), per optimizer step per device:
+    # the bytes moved to and from HBM, and the collectives, their runs counted per step.
+    hbm_bytes_per_step: float = 0.0
+    transfers: tuple[traffic.Transfer, ...] = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -293,6 +298,11 @@ def _described(devices: Sequence[jax.Device]) -> bool:
     return devices[0].platform not in {d.platform for d in jax.devices()}
 
 
+# The rules by which a target plan's figures are read off its program (flops.py's,
+# traffic.py's): a plan cache entry written under other rules is compiled again. Raise it
+# when a change to those rules changes a figure.
+FIGURES = 1
+
 # What a target plan keeps of each compile: the compiler's figures, not the program.
 _COMPILED_FIELDS = (
     *("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"),
@@ -310,6 +320,8 @@ def _target_step_cost(
     trace_s = time.perf_counter() - start
     key = compile_cache.plan_key(lowered.as_text(), devices)
     entry = compile_cache.read_plan(key)
+    if entry is not None and "out_of_memory" not in entry and entry.get("figures") != FIGURES:
+        entry = None  # read off the program by other rules: compiled again for today's
     hit = entry is not None
     if entry is None:
         try:
@@ -318,8 +330,10 @@ def _target_step_cost(
             compile_cache.write_plan(key, {"out_of_memory": str(err)})
             raise
         cost = cost_of(compiled, plan.grad_accum_steps, 0.0, 0.0)
-        cost = _with_counts(cost, config, plan, setup, compiled.as_text() or "")
+        text = compiled.as_text() or ""
+        cost = _with_counts(cost, config, plan, setup, text)
         entry = {name: getattr(cost, name) for name in _COMPILED_FIELDS}
+        entry |= _traffic_fields(text, plan, setup, devices) | {"figures": FIGURES}
         compile_cache.write_plan(key, entry)
     if "out_of_memory" in entry:
         raise OutOfMemory(entry["out_of_memory"])
@@ -334,11 +348,35 @@ def _target_step_cost(
         compile_s=time.perf_counter() - start,
         trace_s=trace_s,
         compile_cache_hit=hit,
+        hbm_bytes_per_step=float(entry["hbm_bytes_per_step"]),
+        transfers=tuple(traffic.Transfer(**t) for t in entry["transfers"]),
     )
     cost = _with_counts(cost, config, plan, setup, "")
     return dataclasses.replace(
         cost, hardware_flops_per_call=float(entry["hardware_flops_per_call"])
     )
+
+
+def _traffic_fields(
+    text: str, plan: BatchPlan, setup: Setup, devices: Sequence[jax.Device]
+) -> dict[str, Any]:
+    """A target program's HBM bytes and collectives per optimizer step (the MultiSteps
+    program runs K times a step; the fused one once, its loop's trips counted)."""
+    calls = 1 if setup.accumulation is Accumulation.FUSED else plan.grad_accum_steps
+    ring_from = _ring_from(devices)
+    ordered = list(setup.batch_sharding.mesh.devices.flat)  # as the program numbers them
+    found = traffic.transfers(
+        text, ordered, wraparound=lambda n: ring_from > 0 and n >= ring_from and n % ring_from == 0
+    )
+    return {
+        "hbm_bytes_per_step": calls * traffic.hbm_bytes(text),
+        "transfers": [dataclasses.replace(t, runs=t.runs * calls).to_json() for t in found],
+    }
+
+
+def _ring_from(devices: Sequence[jax.Device]) -> int:
+    generation = generation_of(devices[0].device_kind)
+    return generation.ring_from if generation else 0
 
 
 class StepPrograms:
@@ -540,25 +578,37 @@ def with_costs(
     return out
 
 
-def recommend(splits: Sequence[Split], budget: int, devices: int) -> Split | None:
+def recommend(
+    splits: Sequence[Split],
+    budget: int,
+    devices: int,
+    predicted: Mapping[tuple[int, int, int, str | None], Any] | None = None,
+) -> Split | None:
     """The split on `devices` devices that fits the budget with the most model FLOPs per
     second predicted: the fewest hardware FLOPs per model FLOP (recomputation is time
     spent on no model FLOP), then the seeds' rule: the largest per-device batch (wider
-    matmuls run nearer the peak), then the fewest accumulation steps."""
+    matmuls run nearer the peak), then the fewest accumulation steps.
+
+    With `predicted` step times (a target's, by Split.key: step_time.Prediction), the most
+    predicted tokens per second per device comes first (to three significant figures, as
+    the plan prints it), that order breaking ties."""
     fitting = [
         s for s in splits if s.devices == devices and s.cost and s.cost.memory_bytes <= budget
     ]
     if not fitting:
         return None
 
-    return max(
-        fitting,
-        key=lambda s: predicted_speed(
+    def speed(s: Split) -> tuple[float, ...]:
+        order = predicted_speed(
             s.hardware_per_model_flop or 1.0,
             s.plan.per_device_batch_size,
             s.plan.grad_accum_steps,
-        ),
-    )
+        )
+        timed = (predicted or {}).get(s.key)
+        rate = float(f"{timed.tokens_per_s_per_device:.3g}") if timed is not None else 0.0
+        return (rate, *order)
+
+    return max(fitting, key=speed)
 
 
 def predicted_speed(

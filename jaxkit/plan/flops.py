@@ -52,7 +52,7 @@ def model_flops_per_example(config: RunConfig) -> float:
 def hardware_flops(hlo_text: str) -> float:
     """Matmul FLOPs a compiled program executes (`compiled.as_text()`), loops unrolled."""
     blocks = hlo._computations(hlo_text)
-    runs = _runs(blocks)
+    runs = computation_runs(blocks)
     total = 0.0
     for name, lines in blocks.items():
         # Names are unique within a computation only (every fusion has its %param_0).
@@ -68,7 +68,7 @@ def hardware_flops(hlo_text: str) -> float:
     return total
 
 
-def _runs(blocks: dict[str, list[str]]) -> dict[str, int]:
+def computation_runs(blocks: dict[str, list[str]]) -> dict[str, int]:
     """How often each computation runs in one call of the entry computation."""
     calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
     called: set[str] = set()

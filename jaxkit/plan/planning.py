@@ -23,12 +23,12 @@ import jax
 
 from jaxkit import mesh as mesh_lib
 from jaxkit.batch.plan import BatchPlan
-from jaxkit.batch.schedule import BatchSchedule, schedule_from_config
+from jaxkit.batch.schedule import BatchSchedule, plan_from_config, schedule_from_config
 from jaxkit.config import ConfigError
 from jaxkit.data.sources import checked_sources
 from jaxkit.models import check_mesh_divides, contract
 from jaxkit.models.layers import REMAT_POLICIES
-from jaxkit.plan import costs
+from jaxkit.plan import costs, peak, step_time
 from jaxkit.plan.flops import model_facts, model_flops_per_example
 from jaxkit.plan.targets import Target, batch_shards_per_host, target_devices
 from jaxkit.sections import RunConfig
@@ -49,14 +49,18 @@ def mesh_shape(
 ) -> dict[str, int]:
     """The config's mesh on `devices`, checked to shard the model evenly: every command
     plans, trains and measures on it."""
+    sizes = dataclasses.asdict(config.mesh)
     try:
-        shape = mesh_lib.resolve_mesh_shape(dataclasses.asdict(config.mesh), len(devices))
+        # The slices first: the devices say how many there are, so the error names them.
+        mesh_lib.check_slices(sizes, devices)
+        shape = mesh_lib.resolve_mesh_shape(sizes, len(devices))
     except mesh_lib.MeshError as err:
         if target is None:
             raise
-        raise mesh_lib.MeshError(
-            f"--target {target.name} has {len(devices)} chips: {err}"
-        ) from None
+        chips = f"{len(devices)} chips"
+        if target.slices > 1:
+            chips = f"{target.slices} slices of {target.chips} chips"
+        raise mesh_lib.MeshError(f"--target {target.name} has {chips}: {err}") from None
     check_on_mesh(config, shape)
     return shape
 
@@ -147,6 +151,16 @@ class Request:
     target: Target | None = None
     batch_shards_per_host: int | None = None  # a target's: per-device batches a host loads
     slice: dict[str, object] = dataclasses.field(default_factory=dict)  # a target's facts
+    usd_per_chip_hour: float | None = None  # what a chip of the target costs, for the plan
+
+    @property
+    def chip(self) -> step_time.Chip | None:
+        """What the step-time model needs of a target's chips (None: no target)."""
+        if self.target is None:
+            return None
+        g = self.target.generation
+        found = peak.table_peak(g.device_kind, self.config.model.compute_dtype)
+        return step_time.Chip.of(g, found.flops_per_s) if found else None
 
     @property
     def plan(self) -> BatchPlan:
@@ -167,6 +181,7 @@ def request(
     target: Target | None = None,
     memory_budget: str | int | None = None,
     remat: str | Sequence[str] | None = None,
+    usd_per_chip_hour: float | str | None = None,
 ) -> Request:
     """Checks a plan request, in the order the CLI reports problems: remat policies, the
     batch schedule on the mesh (and token files against it), the memory budget.
@@ -176,12 +191,14 @@ def request(
       shape: the config's mesh on them (default: resolved and checked here).
       memory_budget: bytes or text (16GiB); default a target chip's HBM or the device's own.
       remat: policies to compare, a list or comma-separated text; default the config's.
+      usd_per_chip_hour: a target chip's price, for the cost of a billion tokens.
     """
     if devices is None:
         devices = devices_for(target)
     if shape is None:
         shape = mesh_shape(config, devices, target)
     policies = resolve_remat(remat, config)
+    price = resolve_price(usd_per_chip_hour, target)
     config = with_kernel(config, devices)  # the kernel these devices run, for auto
     schedule = schedule_from_config(config, shape)  # every stage must hold on this mesh
     if config.data.source == "tokens":
@@ -192,17 +209,57 @@ def request(
     info: dict[str, object] = {}
     shards = None
     if target is not None:
-        shards = batch_shards_per_host(devices, shape)
+        shards = batch_shards_per_host(devices, dataclasses.asdict(config.mesh))
         info = {
             "target": target.name,
             "topology": target.topology,
             "device_kind": target.generation.device_kind,
-            "num_devices": target.chips,
-            "num_hosts": target.hosts,
+            "num_devices": target.devices,
+            "num_slices": target.slices,
+            "num_hosts": target.hosts * target.slices,
             "memory_budget_bytes": budget,
             "batch_shards_per_host": shards,
         }
-    return Request(config, devices, shape, schedule, budget, policies, target, shards, info)
+    return Request(config, devices, shape, schedule, budget, policies, target, shards, info, price)
+
+
+def resolve_price(usd: float | str | None, target: Target | None) -> float | None:
+    """--usd-per-chip-hour: a positive number of dollars, and only with a target."""
+    if usd is None:
+        return None
+    try:
+        price = float(usd)
+    except ValueError:
+        price = math.nan
+    if not (math.isfinite(price) and price > 0):
+        raise PlanError(f"--usd-per-chip-hour {usd!r} is not a positive number of dollars")
+    if target is None:
+        raise PlanError(
+            "--usd-per-chip-hour prices a target's chips: give --target (the live devices "
+            "have no predicted step time)"
+        )
+    return price
+
+
+def prediction(request: Request, split: costs.Split) -> step_time.Prediction | None:
+    """A compiled split's predicted step on the request's target (None: no target, a split
+    that did not compile, or a generation the time model has no figures for)."""
+    chip, cost = request.chip, split.cost
+    if chip is None or cost is None or not chip.hbm_bytes_per_s:
+        return None
+    p = split.plan
+    return step_time.predict(
+        hardware_flops_per_step=cost.hardware_flops_per_step,
+        hbm_bytes_per_step=cost.hbm_bytes_per_step,
+        transfers=cost.transfers,
+        calls_per_step=1,  # the costs count each collective's runs per optimizer step
+        model_flops_per_step=cost.model_flops_per_step,
+        tokens_per_step=p.tokens_per_step or p.global_batch_size,
+        unit="tokens" if p.tokens_per_step else "examples",  # a classifier's rows
+        devices=split.devices,
+        chip=chip,
+        usd_per_chip_hour=request.usd_per_chip_hour,
+    )
 
 
 def model_json(config: RunConfig, plan: BatchPlan) -> dict[str, object]:
@@ -234,11 +291,15 @@ def summary(request: Request) -> Summary:
     return Summary(request, model_json(request.config, request.plan))
 
 
-def split_json(split: costs.Split) -> dict[str, object]:
+def split_json(
+    split: costs.Split, predicted: step_time.Prediction | None = None
+) -> dict[str, object]:
     out: dict[str, object] = {"devices": split.devices, **split.plan.to_json()}
     out["remat"] = split.remat
     if split.cost is not None:
         out |= split.cost.to_json()
+    if predicted is not None:
+        out |= predicted.to_json()
     if split.out_of_memory is not None:  # the compiler refused it
         out |= {
             "memory_bytes": None,
@@ -267,6 +328,13 @@ class AllSplits:
     left_out: dict[int, str]
     counts: list[int]
     recommended: costs.Split | None
+    # With a target: each compiled split's predicted step (step_time.py), by Split.key.
+    predictions: dict[tuple[int, int, int, str | None], step_time.Prediction] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def predicted(self, split: costs.Split) -> step_time.Prediction | None:
+        return self.predictions.get(split.key)
 
     def to_json(self) -> dict[str, object]:
         chosen = self.recommended
@@ -275,7 +343,7 @@ class AllSplits:
             "memory_budget_bytes": self.request.budget,
             "left_out_device_counts": {str(n): why for n, why in self.left_out.items()},
             "recommended": {**chosen.plan.to_json(), "remat": chosen.remat} if chosen else None,
-            "splits": [split_json(s) for s in self.splits],
+            "splits": [split_json(s, self.predicted(s)) for s in self.splits],
         }
 
 
@@ -313,8 +381,11 @@ def cost_splits(
     each compile."""
     splits = costs.with_costs(request.config, candidates.splits, request.devices, progress)
     budget, devices = request.budget, len(request.devices)
-    chosen = costs.recommend(splits, budget, devices) if budget is not None else None
-    return AllSplits(request, splits, candidates.left_out, candidates.counts, chosen)
+    predictions = {s.key: p for s in splits if (p := prediction(request, s)) is not None}
+    chosen = None
+    if budget is not None:
+        chosen = costs.recommend(splits, budget, devices, predictions)
+    return AllSplits(request, splits, candidates.left_out, candidates.counts, chosen, predictions)
 
 
 def all_splits(
@@ -326,8 +397,13 @@ def all_splits(
     return cost_splits(request, candidate_splits(request, device_counts), progress)
 
 
-def _as_dict(policy: str | None, result: costs.BatchSearch) -> dict[str, object]:
+def _as_dict(
+    policy: str | None,
+    result: costs.BatchSearch,
+    predicted: step_time.Prediction | None = None,
+) -> dict[str, object]:
     c = result.cost
+    timed = predicted.to_json() if predicted is not None else {}
     return {
         "remat": policy,
         "max_per_device_batch_size": result.per_device_batch_size,
@@ -338,6 +414,7 @@ def _as_dict(policy: str | None, result: costs.BatchSearch) -> dict[str, object]
         "seconds": result.seconds,
         "tried": {str(b): m for b, m in sorted(result.tried.items())},
         "out_of_memory": {str(b): str(e) for b, e in sorted(result.refused.items())},
+        **timed,
     }
 
 
@@ -357,6 +434,8 @@ class MaxBatch:
     request: Request
     budget: int
     searches: list[tuple[str | None, costs.BatchSearch]]
+    # With a target: the predicted step of each policy's largest batch (K = 1).
+    predictions: dict[str | None, step_time.Prediction] = dataclasses.field(default_factory=dict)
 
     @property
     def fitting(self) -> list[tuple[str | None, costs.BatchSearch]]:
@@ -371,8 +450,8 @@ class MaxBatch:
         return {
             **self.request.slice,
             "memory_budget_bytes": self.budget,
-            **_as_dict(*self.best),
-            "by_remat": [_as_dict(p, r) for p, r in self.searches],
+            **_as_dict(*self.best, self.predictions.get(self.best[0])),
+            "by_remat": [_as_dict(p, r, self.predictions.get(p)) for p, r in self.searches],
         }
 
     def check(self) -> None:
@@ -419,4 +498,15 @@ def max_batch(
             starting=functools.partial(starting, policy),
         )
         searches.append((policy, found))
-    return MaxBatch(request, budget, searches)
+    predictions = {}
+    for policy, found in searches:
+        if found.cost is None:
+            continue
+        config = costs.split_config(
+            costs.with_remat(request.config, policy), found.per_device_batch_size, 1
+        )
+        split = costs.Split(len(request.devices), plan_from_config(config, request.shape))
+        timed = prediction(request, dataclasses.replace(split, cost=found.cost))
+        if timed is not None:
+            predictions[policy] = timed
+    return MaxBatch(request, budget, searches, predictions)

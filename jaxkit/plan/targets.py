@@ -51,21 +51,97 @@ class Generation:
     hbm_bytes: int  # per chip
     chip_config: str | None  # libtpu's chip config, as live hosts set it
     max_chips: int  # the largest slice
+    # What step_time.py prices a step with (peaks stay in peak.py), per chip.
+    hbm_bytes_per_s: float = 0.0
+    ici_link_bytes_per_s: float = 0.0  # one way, per link
+    ring_from: int = 0  # a torus dimension of at least this many chips wraps around
+    dcn_bytes_per_s: float = 0.0  # the host's data-centre network, a chip's share
 
     def accelerator_type(self, chips: int) -> str:
         count = chips * self.tensorcores_per_chip if self.counts_tensorcores else chips
         return f"{self.aliases[0]}-{count}"
 
 
+# Sources. HBM: the Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4,
+# /v5e, /v5p, /v6e: 1,200, 819, 2,765 and 1,640 GB/s per chip). ICI links, one way: the
+# scaling book's table ("How to Think About TPUs", jax-ml.github.io/scaling-book/tpus/):
+# 4.5e10 B/s on v4 and v5e, 9e10 on v5p and v6e, with wraparound on v5e and v6e only along
+# a side of 16 chips (the full pod) and on v4 and v5p along sides that are multiples of 4
+# (whole cubes). DCN, a chip's share of its host's NICs: v5e, 2 × 100 Gbps for 8 chips
+# (the v5e page: 6.4 Tbps a pod of 256), 3.125e9 B/s; v6e, 4 × 200 Gbps for 8 chips (the
+# v6e page: 25.6 Tbps a pod), 1.25e10 B/s; v4 and v5p, 50 Gbps a chip, 6.25e9 B/s (the
+# scaling book's figure).
 GENERATIONS = {
     g.name: g
     for g in (
-        Generation("v4", ("v4",), "TPU v4", 3, True, 2, 4, 4, 32 * GiB, "megacore", 2048),
         Generation(
-            "v5e", ("v5litepod", "v5e"), "TPU v5 lite", 2, False, 1, 4, 8, 16 * GiB, None, 256
+            "v4",
+            ("v4",),
+            "TPU v4",
+            3,
+            True,
+            2,
+            4,
+            4,
+            32 * GiB,
+            "megacore",
+            2048,
+            hbm_bytes_per_s=1.2e12,
+            ici_link_bytes_per_s=4.5e10,
+            ring_from=4,
+            dcn_bytes_per_s=6.25e9,
         ),
-        Generation("v5p", ("v5p",), "TPU v5", 3, True, 2, 4, 4, 95 * GiB, None, 8960),
-        Generation("v6e", ("v6e",), "TPU v6 lite", 2, False, 1, 4, 8, 32 * GiB, None, 256),
+        Generation(
+            "v5e",
+            ("v5litepod", "v5e"),
+            "TPU v5 lite",
+            2,
+            False,
+            1,
+            4,
+            8,
+            16 * GiB,
+            None,
+            256,
+            hbm_bytes_per_s=8.19e11,
+            ici_link_bytes_per_s=4.5e10,
+            ring_from=16,
+            dcn_bytes_per_s=3.125e9,
+        ),
+        Generation(
+            "v5p",
+            ("v5p",),
+            "TPU v5",
+            3,
+            True,
+            2,
+            4,
+            4,
+            95 * GiB,
+            None,
+            8960,
+            hbm_bytes_per_s=2.765e12,
+            ici_link_bytes_per_s=9e10,
+            ring_from=4,
+            dcn_bytes_per_s=6.25e9,
+        ),
+        Generation(
+            "v6e",
+            ("v6e",),
+            "TPU v6 lite",
+            2,
+            False,
+            1,
+            4,
+            8,
+            32 * GiB,
+            None,
+            256,
+            hbm_bytes_per_s=1.64e12,
+            ici_link_bytes_per_s=9e10,
+            ring_from=16,
+            dcn_bytes_per_s=1.25e10,
+        ),
     )
 }
 
@@ -75,6 +151,7 @@ class Target:
     name: str  # as given
     generation: Generation
     shape: tuple[int, ...]  # the topology, chips along each side
+    slices: int = 1  # identical slices joined by the data-centre network (--slices)
 
     @property
     def topology(self) -> str:
@@ -83,6 +160,11 @@ class Target:
     @property
     def chips(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def devices(self) -> int:
+        """Chips of all the slices."""
+        return self.chips * self.slices
 
     @property
     def chips_per_host(self) -> int:
@@ -102,11 +184,12 @@ class Target:
 
     def describe(self) -> str:
         g = self.generation
+        several = f"{self.slices} slices of " if self.slices > 1 else ""
+        each = " each" if self.slices > 1 else ""
         return (
-            f"{self.name} ({self.topology}, {g.accelerator_type(self.chips)}): {self.chips} "
-            f"{g.device_kind} chip{'s' * (self.chips > 1)} on {self.hosts} "
-            f"host{'s' * (self.hosts > 1)}, "
-            f"{g.hbm_bytes // GiB} GiB HBM each"
+            f"{several}{self.name} ({self.topology}, {g.accelerator_type(self.chips)}): "
+            f"{self.chips} {g.device_kind} chip{'s' * (self.chips > 1)} on {self.hosts} "
+            f"host{'s' * (self.hosts > 1)}{each}, {g.hbm_bytes // GiB} GiB HBM a chip"
         )
 
 
@@ -154,8 +237,20 @@ def known_targets() -> str:
     )
 
 
-def parse_target(text: str) -> Target:
-    """`v5litepod-16`, `v5e-16`, `v4-32`, `v5e:4x4`, `v4:2x2x4` → a Target."""
+def generation_of(device_kind: str) -> Generation | None:
+    """The generation whose chips JAX reports as `device_kind`, if the table has it."""
+    return next((g for g in GENERATIONS.values() if g.device_kind == device_kind), None)
+
+
+def parse_target(text: str, slices: int = 1) -> Target:
+    """`v5litepod-16`, `v5e-16`, `v4-32`, `v5e:4x4`, `v4:2x2x4` → a Target (of `slices`
+    such slices)."""
+    if slices < 1:
+        raise TargetError(f"--slices {slices}: a plan is for one slice or more")
+    return dataclasses.replace(_parse_target(text), slices=slices)
+
+
+def _parse_target(text: str) -> Target:
     text = text.strip()
     name = text.lower()
     topology = re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)*)", name)
@@ -221,12 +316,13 @@ def target_devices(target: Target) -> Sequence[jax.Device]:
             platform="tpu",
             topology_name=target.topology,
             chips_per_host_bounds=target.host_bounds,
-            num_slices=1,
+            num_slices=target.slices,
             **options,
         ).devices
     except Exception as err:  # JaxRuntimeError: libtpu's own words on a shape it rejects
+        slices = f" × {target.slices} slices" if target.slices > 1 else ""
         raise TargetError(
-            f"--target {target.name}: JAX cannot describe topology {target.topology}: "
+            f"--target {target.name}: JAX cannot describe topology {target.topology}{slices}: "
             f"{str(err).splitlines()[0]}"
         ) from None
     finally:
@@ -234,12 +330,13 @@ def target_devices(target: Target) -> Sequence[jax.Device]:
             os.environ.pop(key, None)
 
 
-def batch_shards_per_host(devices: Sequence[jax.Device], shape: dict[str, int]) -> int:
-    """How many of the batch's (data × fsdp) shards the devices of one host hold: each host
-    loads that many per-device batches of rows per micro-step (the most any host holds)."""
+def batch_shards_per_host(devices: Sequence[jax.Device], sizes: dict[str, int]) -> int:
+    """How many of the batch's (data × fsdp) shards the devices of one host hold on the mesh
+    of these sizes (the config's mesh section, its slices included): each host loads that
+    many per-device batches of rows per micro-step (the most any host holds)."""
     from jaxkit import mesh as mesh_lib
 
-    mesh = mesh_lib.make_mesh(shape, devices)
+    mesh = mesh_lib.make_mesh(sizes, devices)
     held: dict[int, set[tuple[int, int]]] = {}
     for (d, f, _), device in np.ndenumerate(mesh.devices):
         held.setdefault(device.process_index, set()).add((d, f))
