@@ -51,8 +51,8 @@ def mesh_shape(
     plans, trains and measures on it."""
     sizes = dataclasses.asdict(config.mesh)
     try:
-        # The slices first: the devices say how many there are, so the error names them.
-        mesh_lib.check_slices(sizes, devices)
+        if target is not None:  # a target's slices first: the error then names their count
+            mesh_lib.check_slices(sizes, devices)
         shape = mesh_lib.resolve_mesh_shape(sizes, len(devices))
     except mesh_lib.MeshError as err:
         if target is None:
