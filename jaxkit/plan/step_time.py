@@ -25,7 +25,10 @@ once, so the step takes at least the longest of their four times (a roofline):
 Left out, so a real step is slower: latency (about a microsecond a hop), the host's input
 pipeline, work that does not overlap (a collective that waits for the gradients it
 reduces), the vector units' work (the compute time counts matmuls only), and the MXU's
-efficiency on small or oddly shaped matmuls.
+efficiency on small or oddly shaped matmuls. One assumption runs the other way: the ICI
+times of a step's collectives add up, as if each had the links to itself in turn, though
+collectives over different torus sides could run at once (the data-parallel layouts the
+kit plans gather and reduce over every side of a slice at once, where adding is right).
 """
 
 from __future__ import annotations

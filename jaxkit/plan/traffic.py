@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from jaxkit.plan import hlo
@@ -234,7 +234,7 @@ def _first_array_bytes(types: str) -> int:
 def transfers(
     hlo_text: str,
     devices: Sequence[Any],
-    wraparound: Any = None,
+    wraparound: Callable[[int], bool] | None = None,
 ) -> list[Transfer]:
     """Each collective of a compiled program on `devices` (in mesh order, as the program
     numbers them), with its groups' slices and torus dimensions (read from the devices'
