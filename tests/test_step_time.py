@@ -174,7 +174,7 @@ def test_without_a_price_there_is_no_cost_and_without_tables_no_time(monkeypatch
     out = jaxkit(*PRICED)
     assert out.returncode == 0, out.stderr
     assert all("usd_per_billion_tokens" not in s for s in json.loads(out.stdout)["splits"])
-    bare = dataclasses.replace(targets.GENERATIONS["v5e"], hbm_bytes_per_s=0.0)
+    bare = dataclasses.replace(targets.GENERATIONS["v5e"], dcn_bytes_per_s=0.0)
     monkeypatch.setitem(targets.GENERATIONS, "v5e", bare)
     text = jaxkit(*PRICED[:-1])
     assert text.returncode == 0, text.stderr

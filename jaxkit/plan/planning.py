@@ -245,8 +245,10 @@ def prediction(request: Request, split: costs.Split) -> step_time.Prediction | N
     """A compiled split's predicted step on the request's target (None: no target, a split
     that did not compile, or a generation the time model has no figures for)."""
     chip, cost = request.chip, split.cost
-    if chip is None or cost is None or not chip.hbm_bytes_per_s:
+    if chip is None or cost is None:
         return None
+    if not (chip.hbm_bytes_per_s and chip.ici_link_bytes_per_s and chip.dcn_bytes_per_s):
+        return None  # a generation whose bandwidths the table lacks
     p = split.plan
     return step_time.predict(
         hardware_flops_per_step=cost.hardware_flops_per_step,
