@@ -201,7 +201,7 @@ def main() -> None:
 
 def table(results: list[dict]) -> str:
     from jaxkit.batch.plan import format_table
-    from jaxkit.commands.plan import format_seconds
+    from jaxkit.plan.costs import format_seconds
 
     rows = []
     for r in results:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -62,7 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--usd-per-chip-hour",
-        type=positive_number,
+        type=price,
         metavar="USD",
         help="with --target and --all-splits or --max-per-device-batch: what a chip costs an "
         "hour, to price a billion tokens at each split's predicted step time",
@@ -70,15 +69,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return plan
 
 
-def positive_number(text: str) -> float:
-    """An argparse type: a positive, finite number, refused as a usage error (exit 2)."""
+def price(text: str) -> float:
+    """An argparse type: planning.parse_price's, refused as a usage error (exit 2)."""
+    from jaxkit.plan.planning import parse_price
+
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of dollars")
-    return value
+        return parse_price(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def ignored_option(opts: argparse.Namespace) -> str | None:
@@ -248,17 +246,10 @@ def _all_splits(request: planning.Request, opts: argparse.Namespace) -> int:
     return 0
 
 
-def format_seconds(seconds: float) -> str:
-    """3.44 s, 12.3 ms, 37.2 µs; 0 for nothing."""
-    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return "0" if seconds == 0 else f"{seconds * 1e9:.3g} ns"
-
-
 def _print_predictions(result: planning.AllSplits) -> None:
     """The predicted step of each compiled split on the target: a lower bound, its bound."""
     from jaxkit.batch.plan import format_table
+    from jaxkit.plan import costs
 
     request = result.request
     assert request.target is not None and request.chip is not None
@@ -270,8 +261,8 @@ def _print_predictions(result: planning.AllSplits) -> None:
             continue
         row: list[object] = [p.per_device_batch_size, p.grad_accum_steps]
         row += [s.remat or ""] if len(request.policies) > 1 else []
-        row += [format_seconds(t.step_s), t.bound]
-        row += [format_seconds(x) for x in (t.compute_s, t.hbm_s, t.ici_s, t.dcn_s)]
+        row += [costs.format_seconds(t.step_s), t.bound]
+        row += [costs.format_seconds(x) for x in (t.compute_s, t.hbm_s, t.ici_s, t.dcn_s)]
         row += [f"{t.tokens_per_s_per_device:,.0f}", f"{100 * t.mfu:.1f}%"]
         row += [f"{t.usd_per_billion_tokens:,.3g}"] if priced else []
         rows.append(tuple(row))
@@ -340,8 +331,8 @@ def _max_batch(request: planning.Request, as_json: bool) -> int:
         if timed is not None:
             priced = timed.usd_per_billion_tokens
             print(
-                f"  predicted step (K = 1): at least {format_seconds(timed.step_s)}, bound by "
-                f"{timed.bound}; {timed.tokens_per_s_per_device:,.0f} {timed.unit}/s per "
+                f"  predicted step (K = 1): at least {costs.format_seconds(timed.step_s)}, "
+                f"bound by {timed.bound}; {timed.tokens_per_s_per_device:,.0f} {timed.unit}/s per "
                 f"device, MFU {100 * timed.mfu:.1f}%"
                 + (f", {priced:,.3g} USD per billion {timed.unit}" if priced is not None else "")
             )

@@ -78,6 +78,14 @@ def device_memory_bytes(device: jax.Device) -> int | None:
     return int(limit) if limit else None
 
 
+def format_seconds(seconds: float) -> str:
+    """3.44 s, 12.3 ms, 37.2 µs; 0 for nothing."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return "0" if seconds == 0 else f"{seconds * 1e9:.3g} ns"
+
+
 def format_flops(n: float) -> str:
     for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= size:
@@ -363,20 +371,13 @@ def _traffic_fields(
     """A target program's HBM bytes and collectives per optimizer step (the MultiSteps
     program runs K times a step; the fused one once, its loop's trips counted)."""
     calls = 1 if setup.accumulation is Accumulation.FUSED else plan.grad_accum_steps
-    ring_from = _ring_from(devices)
+    generation = generation_of(devices[0].device_kind)
     ordered = list(setup.batch_sharding.mesh.devices.flat)  # as the program numbers them
-    found = traffic.transfers(
-        text, ordered, wraparound=lambda n: ring_from > 0 and n >= ring_from and n % ring_from == 0
-    )
+    found = traffic.transfers(text, ordered, generation.wraps if generation else None)
     return {
         "hbm_bytes_per_step": calls * traffic.hbm_bytes(text),
         "transfers": [dataclasses.replace(t, runs=t.runs * calls).to_json() for t in found],
     }
-
-
-def _ring_from(devices: Sequence[jax.Device]) -> int:
-    generation = generation_of(devices[0].device_kind)
-    return generation.ring_from if generation else 0
 
 
 class StepPrograms:

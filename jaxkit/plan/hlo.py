@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -138,14 +138,20 @@ def axes_spanned(groups: Iterable[Sequence[int]], mesh_shape: dict[str, int]) ->
     return frozenset(spanned)
 
 
-def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
-    """Every collective of a compiled module (`compiled.as_text()`) on a mesh of this shape,
-    whose devices are numbered in mesh order (as jax.jit lays out a NamedSharding's mesh)."""
-    blocks = _computations(hlo)
-    loops = _in_loops(blocks)
-    num_devices = math.prod(mesh_shape.values())
-    found = []
-    for name, lines in blocks.items():
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """One collective instruction as written: where, what, how big, over which groups."""
+
+    computation: str  # the computation it sits in
+    kind: str  # one of KINDS (an all-reduce-scatter fusion's all-reduce: reduce-scatter)
+    result_bytes: int  # per device
+    groups: list[list[int]]  # device ids, as the program numbers them
+
+
+def find(hlo: str, num_devices: int) -> Iterator[Found]:
+    """Each collective instruction of a compiled module (`compiled.as_text()`) whose
+    program runs on `num_devices` devices, with its device groups."""
+    for name, lines in _computations(hlo).items():
         for line in lines:
             op = _OP.search(line)
             if op:
@@ -153,15 +159,22 @@ def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
                 kind, result_bytes = op.group(2), _result_bytes(op.group(1))
                 if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
                     kind, result_bytes = "reduce-scatter", result_bytes // len(groups[0])
-                found.append(
-                    Collective(
-                        kind=kind,
-                        axes=axes_spanned(groups, mesh_shape),
-                        result_bytes=result_bytes,
-                        in_loop=name in loops,
-                    )
-                )
-    return found
+                yield Found(name, kind, result_bytes, groups)
+
+
+def collectives(hlo: str, mesh_shape: dict[str, int]) -> list[Collective]:
+    """Every collective of a compiled module (`compiled.as_text()`) on a mesh of this shape,
+    whose devices are numbered in mesh order (as jax.jit lays out a NamedSharding's mesh)."""
+    loops = _in_loops(_computations(hlo))
+    return [
+        Collective(
+            kind=f.kind,
+            axes=axes_spanned(f.groups, mesh_shape),
+            result_bytes=f.result_bytes,
+            in_loop=f.computation in loops,
+        )
+        for f in find(hlo, math.prod(mesh_shape.values()))
+    ]
 
 
 def runs_per_call(

@@ -223,16 +223,25 @@ def request(
     return Request(config, devices, shape, schedule, budget, policies, target, shards, info, price)
 
 
-def resolve_price(usd: float | str | None, target: Target | None) -> float | None:
-    """--usd-per-chip-hour: a positive number of dollars, and only with a target."""
-    if usd is None:
-        return None
+def parse_price(usd: float | str) -> float:
+    """A chip-hour's price: a positive, finite number of dollars, else ValueError."""
     try:
         price = float(usd)
     except ValueError:
         price = math.nan
     if not (math.isfinite(price) and price > 0):
-        raise PlanError(f"--usd-per-chip-hour {usd!r} is not a positive number of dollars")
+        raise ValueError(f"{usd!r} is not a positive number of dollars")
+    return price
+
+
+def resolve_price(usd: float | str | None, target: Target | None) -> float | None:
+    """--usd-per-chip-hour: a positive number of dollars, and only with a target."""
+    if usd is None:
+        return None
+    try:
+        price = parse_price(usd)
+    except ValueError as err:
+        raise PlanError(f"--usd-per-chip-hour {err}") from None
     if target is None:
         raise PlanError(
             "--usd-per-chip-hour prices a target's chips: give --target (the live devices "

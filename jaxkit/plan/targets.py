@@ -57,6 +57,10 @@ class Generation:
     ring_from: int = 0  # a torus dimension of at least this many chips wraps around
     dcn_bytes_per_s: float = 0.0  # the host's data-centre network, a chip's share
 
+    def wraps(self, extent: int) -> bool:
+        """Whether a torus side of `extent` chips is a ring (wraparound links)."""
+        return self.ring_from > 0 and extent >= self.ring_from and extent % self.ring_from == 0
+
     def accelerator_type(self, chips: int) -> str:
         count = chips * self.tensorcores_per_chip if self.counts_tensorcores else chips
         return f"{self.aliases[0]}-{count}"

@@ -246,40 +246,29 @@ def transfers(
     coords = [tuple(getattr(d, "coords", ()) or ()) for d in devices]
     extents = [len({c[k] for c in coords if c}) for k in range(max(map(len, coords), default=0))]
     out = []
-    for name, lines in blocks.items():
+    for name, lines in blocks.items():  # the DCN parts of collectives across slices
         for line in lines:
             if " send(" in line and "_xla_megascale" in line:
                 sent = _megascale(line, max(runs.get(name, 1), 1), len(set(slice_of)))
                 if sent is not None:
                     out.append(sent)
-                continue
-            op = hlo._OP.search(line)
-            if not op:
-                continue
-            groups = hlo.device_groups(line, len(devices))
-            kind, result_bytes = op.group(2), hlo._result_bytes(op.group(1))
-            if kind == "all-reduce" and name.startswith("all-reduce-scatter"):
-                kind, result_bytes = "reduce-scatter", result_bytes // len(groups[0])
-            group = groups[0] if groups else []
-            slices = len({slice_of[i] for i in group}) if group else 1
-            first = [i for i in group if slice_of[i] == slice_of[group[0]]] if group else []
-            dims = [
-                k
-                for k in range(len(extents))
-                if len({coords[i][k] for i in first if coords[i]}) > 1
-            ]
-            wraps = bool(dims) and all(
-                wraparound is not None and wraparound(extents[k]) for k in dims
+    for f in hlo.find(hlo_text, len(devices)):
+        group = f.groups[0] if f.groups else []
+        slices = len({slice_of[i] for i in group}) if group else 1
+        first = [i for i in group if slice_of[i] == slice_of[group[0]]] if group else []
+        dims = [
+            k for k in range(len(extents)) if len({coords[i][k] for i in first if coords[i]}) > 1
+        ]
+        wraps = bool(dims) and all(wraparound is not None and wraparound(extents[k]) for k in dims)
+        out.append(
+            Transfer(
+                kind=f.kind,
+                result_bytes=f.result_bytes,
+                runs=max(runs.get(f.computation, 1), 1),
+                group_size=max(len(group), 1),
+                slices=slices,
+                torus_dims=len(dims),
+                wraps=wraps,
             )
-            out.append(
-                Transfer(
-                    kind=kind,
-                    result_bytes=result_bytes,
-                    runs=max(runs.get(name, 1), 1),
-                    group_size=max(len(group), 1),
-                    slices=slices,
-                    torus_dims=len(dims),
-                    wraps=wraps,
-                )
-            )
+        )
     return out
