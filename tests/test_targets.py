@@ -174,6 +174,13 @@ def test_max_per_device_batch_on_a_target_searches_with_the_tpu_compiler():
     tried = {int(b): m for b, m in result["tried"].items()}
     assert tried[1] == at[1] and tried[2] == at[2]
     assert all(m > budget for b, m in tried.items() if b > 1)
+    # The batch found gets its predicted step (K = 1); priced, per example for a classifier.
+    assert result["predicted_step_time_s"] > 0 and "usd_per_billion_examples" not in result
+    search = ("plan", "mlp_digits", "--target", "v5litepod-8", "--max-per-device-batch")
+    text = jaxkit(*search, "--memory-budget", str(budget), "--usd-per-chip-hour", "2")
+    assert text.returncode == 0, text.stderr
+    assert "predicted step (K = 1): at least" in text.stdout
+    assert "USD per billion examples" in text.stdout
 
 
 @pytest.mark.parametrize(
