@@ -293,3 +293,21 @@ def test_a_classifier_is_priced_per_example_not_per_token():
         assert s["examples_per_s_per_device"] == pytest.approx(rows / step / 8)
         assert s["usd_per_billion_examples"] == pytest.approx(8 * step / 3600 / rows * 1e9)
         assert "tokens_per_s_per_device" not in s and "usd_per_billion_tokens" not in s
+
+
+def test_one_multisteps_program_serves_every_k_and_is_priced_per_k():
+    # MultiSteps compiles one program per per-device batch, whatever K (K is its argument),
+    # and the plan cache keeps that program's figures: read back for another K, its
+    # collectives and HBM bytes count K calls, not the K of the plan that wrote them.
+    def splits(global_batch):
+        out = jaxkit(*PRICED, f"batch.global_batch_size={global_batch}")
+        assert out.returncode == 0, out.stderr
+        return {s["per_device_batch_size"]: s for s in json.loads(out.stdout)["splits"]}
+
+    # 1 row a device: K = 2, then K = 4 (at K = 1 the step keeps no accumulator: another
+    # program)
+    k2, k4 = splits(16)[1], splits(32)[1]
+    assert (k2["grad_accum_steps"], k4["grad_accum_steps"]) == (2, 4)
+    assert k4["compile_cache_hit"]  # the same program
+    assert k4["collective_bytes"]["ici"] == pytest.approx(2 * k2["collective_bytes"]["ici"])
+    assert k4["hbm_s"] == pytest.approx(2 * k2["hbm_s"])

@@ -309,7 +309,7 @@ def _described(devices: Sequence[jax.Device]) -> bool:
 # The rules by which a target plan's figures are read off its program (flops.py's,
 # traffic.py's): a plan cache entry written under other rules is compiled again. Raise it
 # when a change to those rules changes a figure.
-FIGURES = 1
+FIGURES = 2
 
 # What a target plan keeps of each compile: the compiler's figures, not the program.
 _COMPILED_FIELDS = (
@@ -341,7 +341,7 @@ def _target_step_cost(
         text = compiled.as_text() or ""
         cost = _with_counts(cost, config, plan, setup, text)
         entry = {name: getattr(cost, name) for name in _COMPILED_FIELDS}
-        entry |= _traffic_fields(text, plan, setup, devices) | {"figures": FIGURES}
+        entry |= _traffic_fields(text, setup, devices) | {"figures": FIGURES}
         compile_cache.write_plan(key, entry)
     if "out_of_memory" in entry:
         raise OutOfMemory(entry["out_of_memory"])
@@ -356,8 +356,7 @@ def _target_step_cost(
         compile_s=time.perf_counter() - start,
         trace_s=trace_s,
         compile_cache_hit=hit,
-        hbm_bytes_per_step=float(entry["hbm_bytes_per_step"]),
-        transfers=tuple(traffic.Transfer(**t) for t in entry["transfers"]),
+        **_per_step(entry, plan, setup),
     )
     cost = _with_counts(cost, config, plan, setup, "")
     return dataclasses.replace(
@@ -365,18 +364,28 @@ def _target_step_cost(
     )
 
 
-def _traffic_fields(
-    text: str, plan: BatchPlan, setup: Setup, devices: Sequence[jax.Device]
-) -> dict[str, Any]:
-    """A target program's HBM bytes and collectives per optimizer step (the MultiSteps
-    program runs K times a step; the fused one once, its loop's trips counted)."""
-    calls = 1 if setup.accumulation is Accumulation.FUSED else plan.grad_accum_steps
+def _traffic_fields(text: str, setup: Setup, devices: Sequence[jax.Device]) -> dict[str, Any]:
+    """A target program's HBM bytes and collectives per call, as the plan cache keeps them:
+    one MultiSteps program serves every K (K is its argument), so K stays out of the entry."""
     generation = generation_of(devices[0].device_kind)
     ordered = list(setup.batch_sharding.mesh.devices.flat)  # as the program numbers them
     found = traffic.transfers(text, ordered, generation.wraps if generation else None)
     return {
-        "hbm_bytes_per_step": calls * traffic.hbm_bytes(text),
-        "transfers": [dataclasses.replace(t, runs=t.runs * calls).to_json() for t in found],
+        "hbm_bytes_per_call": traffic.hbm_bytes(text),
+        "transfers": [t.to_json() for t in found],
+    }
+
+
+def _per_step(entry: dict[str, Any], plan: BatchPlan, setup: Setup) -> dict[str, Any]:
+    """StepCost's traffic fields from a plan cache entry's per-call figures: the MultiSteps
+    program runs K times an optimizer step, the fused one once (its loop's trips counted)."""
+    calls = 1 if setup.accumulation is Accumulation.FUSED else plan.grad_accum_steps
+    return {
+        "hbm_bytes_per_step": calls * float(entry["hbm_bytes_per_call"]),
+        "transfers": tuple(
+            dataclasses.replace(traffic.Transfer(**t), runs=t["runs"] * calls)
+            for t in entry["transfers"]
+        ),
     }
 
 
