@@ -302,3 +302,20 @@ def test_a_data_fsdp_tensor_mesh_compiles_without_involuntary_rematerialization(
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(json.loads(out.stdout)["splits"]) == 1
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "trained",
+    [
+        ["mesh.data=1", "mesh.fsdp=-1"],  # fsdp took the rest: it takes it here too
+        ["mesh.data=1", "mesh.fsdp=-1", "mesh.dcn_fsdp=2"],  # 2 slices, read in one process
+    ],
+)
+def test_a_run_opened_to_sample_or_evaluate_keeps_the_axis_that_took_the_rest(trained):
+    from jaxkit.config import apply_overrides, load_config
+    from jaxkit.generate.source import make_mesh as run_mesh
+
+    config = load_config("lm_tiny")
+    apply_overrides(config, trained)
+    mesh = run_mesh(config, [])
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}

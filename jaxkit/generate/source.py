@@ -226,7 +226,8 @@ def _read_meta(checkpoints: Any, step: int) -> dict:
 def make_mesh(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> jax.sharding.Mesh:
     """The run's mesh on every device here: on other slices the data axis spanning these
     (mesh.dcn_data), on another device count its fsdp and tensor axes kept and data taking
-    the rest (as a resume elsewhere would), unless the overrides set mesh.*."""
+    the rest (as a resume elsewhere would; an axis the run set to -1 takes it instead),
+    unless the overrides set mesh.*."""
     import jax
 
     from jaxkit import mesh as mesh_lib
@@ -242,7 +243,8 @@ def make_mesh(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ja
                 mesh_lib.check_slices(sizes, devices)
             except mesh_lib.MeshError:
                 sizes |= {"dcn_data": len(mesh_lib.device_slices(devices)), "dcn_fsdp": 1}
-            if abs(math.prod(sizes.values())) != len(devices):
+            taking_the_rest = any(sizes[axis] == -1 for axis in mesh_lib.AXES)
+            if not taking_the_rest and math.prod(sizes.values()) != len(devices):
                 sizes["data"] = -1
         shape = mesh_lib.resolve_mesh_shape(sizes, len(devices))
         mesh_lib.check_slices(sizes, devices)
