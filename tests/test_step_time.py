@@ -199,6 +199,8 @@ def test_without_a_price_there_is_no_cost_and_without_tables_no_time(monkeypatch
             "has 2 slices of 8 chips: mesh.dcn_data × mesh.dcn_fsdp = 3 × 1 = 3 slices, but the "
             "16 tpu devices are 2 slices: give mesh.dcn_data × mesh.dcn_fsdp = 2",
         ),
+        # Slices in the config but not on the command line: --slices is named.
+        (["--target", "v5e-8", "mesh.dcn_data=2"], "or plan 2 such slices: --slices 2"),
     ],
 )
 def test_bad_prices_and_slice_counts_are_one_line_and_exit_2(args, message):

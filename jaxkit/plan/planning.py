@@ -60,7 +60,9 @@ def mesh_shape(
         chips = f"{len(devices)} chips"
         if target.slices > 1:
             chips = f"{target.slices} slices of {target.chips} chips"
-        raise mesh_lib.MeshError(f"--target {target.name} has {chips}: {err}") from None
+        asked = config.mesh.dcn_data * config.mesh.dcn_fsdp
+        hint = f"; or plan {asked} such slices: --slices {asked}" if asked > 1 else ""
+        raise mesh_lib.MeshError(f"--target {target.name} has {chips}: {err}{hint}") from None
     check_on_mesh(config, shape)
     return shape
 
